@@ -1,0 +1,102 @@
+"""Results schema, version 1: the one place that knows the columns of every results table.
+
+Layout of a run (``results/<run_id>/``):
+
+* ``requests.parquet``: one row per request started (``REQUESTS``);
+  while a run is live, each load process appends to ``requests-<host>-<pid>.arrows``
+  (an Arrow IPC stream, readable up to its last complete batch) and the shards are compacted
+  into ``requests.parquet`` at the end;
+* ``gpu.parquet``: telemetry samples per GPU (``GPU``), from NVML or the DCGM exporter;
+* ``engine.parquet``: raw engine ``/metrics`` samples (``ENGINE``), counters kept raw;
+* ``run.json``: resolved config, versions, git commit, hosts, clock offsets, start/end,
+  what was incomplete and why; ``schema_version`` must equal ``SCHEMA_VERSION``.
+
+Times: ``t_scheduled`` and ``t_sent`` are Unix epoch ns; every other ``*_ns`` request time is an
+offset from ``t_sent`` taken on a monotonic clock. Telemetry ``t_ns`` is Unix epoch ns.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed", "unknown")
+STATUSES = ("ok", "http_error", "timeout", "disconnected", "protocol_error", "cancelled")
+
+REQUESTS = pa.schema([
+    # identity
+    ("run_id", pa.string()),
+    ("endpoint", pa.string()),
+    ("topology", pa.string()),
+    ("workload", pa.string()),
+    ("request_class", pa.string()),
+    ("stage", pa.int32()),  # index of the load stage (QPS ladder step); 0 when one stage
+    ("request_id", pa.string()),
+    ("session_id", pa.string()),
+    ("turn", pa.int32()),
+    ("worker", pa.string()),  # host:pid
+    # shape
+    ("prompt_tokens", pa.int64()),  # as the server reported (null when it did not)
+    ("prompt_tokens_client", pa.int64()),
+    ("shared_prefix_tokens", pa.int64()),
+    ("max_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),  # server usage; client count when usage is absent
+    ("completion_tokens_client", pa.int64()),
+    ("cached_tokens", pa.int64()),  # usage.prompt_tokens_details.cached_tokens, null if absent
+    # timing
+    ("t_scheduled", pa.int64()),  # epoch ns: when the pacing meant to send it
+    ("t_sent", pa.int64()),  # epoch ns: when the request bytes were written
+    ("connect_ns", pa.int64()),  # connection setup charged to this request (0 when reused)
+    ("ttft_ns", pa.int64()),  # first chunk carrying a generated token, from t_sent
+    ("chunk_offsets_ns", pa.list_(pa.int64())),  # arrival of each token-carrying chunk
+    ("chunk_tokens", pa.list_(pa.int32())),  # tokens in each such chunk
+    ("e2e_ns", pa.int64()),  # last byte of the response, from t_sent
+    ("status", pa.string()),
+    ("http_status", pa.int32()),
+    ("error", pa.string()),
+    # server side, when the endpoint tells (response headers)
+    ("server_queue_ns", pa.int64()),
+    ("server_prefill_ns", pa.int64()),
+    ("server_kv_transfer_ns", pa.int64()),
+    ("server_first_decode_ns", pa.int64()),
+    ("server_replica", pa.string()),
+    ("server_region", pa.string()),
+])
+
+GPU = pa.schema([
+    ("t_ns", pa.int64()),
+    ("host", pa.string()),
+    ("gpu", pa.int32()),
+    ("role", pa.string()),  # prefill | decode | colocated | cache | unknown
+    ("source", pa.string()),  # nvml | dcgm
+    ("endpoint", pa.string()),
+    ("gpu_util_pct", pa.float64()),
+    ("mem_util_pct", pa.float64()),  # memory-controller busy
+    ("sm_active", pa.float64()),  # 0..1 (GPM / DCGM_FI_PROF_SM_ACTIVE)
+    ("sm_occupancy", pa.float64()),  # 0..1
+    ("dram_active", pa.float64()),  # 0..1 (HBM bandwidth utilisation)
+    ("hbm_used_bytes", pa.int64()),
+    ("hbm_total_bytes", pa.int64()),
+    ("power_w", pa.float64()),
+    ("sm_clock_mhz", pa.float64()),
+    ("temperature_c", pa.float64()),
+    ("pcie_rx_bytes_s", pa.float64()),
+    ("pcie_tx_bytes_s", pa.float64()),
+    ("nvlink_rx_bytes", pa.int64()),
+    ("nvlink_tx_bytes", pa.int64()),
+])
+
+ENGINE = pa.schema([
+    ("t_ns", pa.int64()),
+    ("endpoint", pa.string()),
+    ("metric", pa.string()),  # sample name, e.g. vllm:prefix_cache_hits_total
+    ("labels", pa.map_(pa.string(), pa.string())),
+    ("value", pa.float64()),
+])
+
+TABLES = {"requests": REQUESTS, "gpu": GPU, "engine": ENGINE}
+
+
+def empty_table(name: str) -> pa.Table:
+    return TABLES[name].empty_table()

@@ -1,0 +1,79 @@
+"""The request a workload produces, and the session interface the load generator drives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+REQUEST_CLASSES = ("rag", "agent", "longctx", "chat", "trace", "hogwild")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request to send. Exactly one of ``prompt`` (completions) or ``messages`` (chat)."""
+
+    request_id: str
+    request_class: str
+    max_tokens: int
+    prompt_tokens: int  # counted with the configured tokenizer (client side)
+    shared_prefix_tokens: int  # what the generator meant to be reusable by later requests
+    session_id: str
+    turn: int = 0
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    arrival_offset_s: float | None = None  # open-loop arrival time from the workload/trace
+    think_time_s: float = 0.0  # closed loop: wait before sending this turn
+    workload: str = ""
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+class Session(Protocol):
+    """A sticky sequence of turns. Turn k+1 may depend on turn k's real response."""
+
+    session_id: str
+
+    def next_request(self) -> Request | None:
+        """The next turn, or None when the session is over."""
+
+    def feed_response(self, text: str) -> None:
+        """The response text the endpoint actually returned for the last request."""
+
+
+class Workload(Protocol):
+    name: str
+    request_class: str
+
+    def sessions(self) -> Iterator[Session]:
+        """Deterministic sessions for this seed; single-shot workloads give 1-turn sessions."""
+
+    def requests(self) -> Iterator[Request]:
+        """All requests flattened in send order; sessions fed with a synthetic response of
+        ``max_tokens`` tokens (used by ``describe`` and for open-loop replay)."""
+
+
+@dataclass
+class SingleTurnSession:
+    """A session of one prepared request."""
+
+    request: Request
+    session_id: str = field(init=False)
+    _done: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.session_id = self.request.session_id
+
+    def next_request(self) -> Request | None:
+        if self._done:
+            return None
+        self._done = True
+        return self.request
+
+    def feed_response(self, text: str) -> None:
+        pass
+
+
+def messages_tuple(messages: Sequence[dict]) -> tuple[dict, ...]:
+    return tuple(dict(m) for m in messages)
