@@ -1,0 +1,641 @@
+"""The one definition of every metric kvbench reports, as pure vectorised functions.
+
+Two steps. ``request_frame`` turns the raw ``requests`` table (schema v1) into a pandas frame
+with one row per request and the derived per-request values (TTFT, TPOT, E2E, lateness in ms,
+SLO verdicts, the pooled inter-token gaps as an Arrow list column). Then every metric is a
+function ``frame -> float`` in ``METRICS``; ``statistic(frame, name)`` evaluates one and
+``bootstrap(frame, name)`` gives its seeded bootstrap confidence interval. The gate (issue 7)
+uses exactly these, so a report and a gate verdict can never disagree on a definition.
+
+Definitions (DESIGN.md; printed in every report's appendix from ``DEFINITIONS``):
+latency metrics count successful requests only; lateness counts every request sent; rates
+divide by the wall time of the load stages the rows came from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+NS_PER_MS = 1e6
+QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99, "p999": 0.999}
+# Prompt-length buckets (tokens): powers of two from 256; 512 is the seeds' P/D crossover.
+BUCKET_EDGES_TOKENS = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+
+DEFINITIONS = {
+    "TTFT": "time to first token: arrival of the first chunk carrying a generated token, "
+            "minus t_sent (successful requests).",
+    "TPOT": "time per output token: (E2E - TTFT) / (completion_tokens - 1), per request, "
+            "when completion_tokens > 1.",
+    "ITL": "inter-token latency: gaps between consecutive token-carrying chunks, pooled over "
+           "successful requests; a chunk carrying k tokens is one gap.",
+    "E2E": "end to end: last byte of the response minus t_sent (successful requests).",
+    "lateness": "client lateness: t_sent - t_scheduled, every request sent (the load "
+                "generator's own delay; never hidden).",
+    "throughput": "requests finished (any status) per second of load-stage wall time; input and "
+                  "output tokens/s count successful requests' server-reported usage.",
+    "goodput": "requests that succeeded and met every SLO of their class (TTFT, TPOT, E2E), per "
+               "second of load-stage wall time; errors count as misses.",
+    "hit ratio": "prefix-cache hit ratio: sum(cached_tokens) / sum(prompt_tokens) over "
+                 "successful requests reporting cached_tokens; engine: delta "
+                 f"{PREFIX_HITS} / delta {PREFIX_QUERIES}.",
+    "error rate": "requests with a status other than ok / all requests.",
+    "percentiles": "linear interpolation between order statistics (numpy's default); "
+                   "confidence intervals by a seeded bootstrap over requests.",
+    "wall time": "sum over the load stages in the rows of (t_end - t_start) from run.json; "
+                 "without it, last response end minus first scheduled send per stage.",
+}
+
+_STRING_COLS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
+                "status", "error", "server_replica", "server_region")
+
+
+# --------------------------------------------------------------------------------------------
+# frame construction
+
+
+def _f64(table: pa.Table, name: str) -> np.ndarray:
+    """Column as float64 numpy, nulls as NaN."""
+    return pc.cast(table.column(name), pa.float64()).to_numpy()
+
+
+def _categorical(col: pa.ChunkedArray) -> pd.Categorical:
+    enc = pc.dictionary_encode(col).combine_chunks()
+    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32)
+    cats = pd.Index(enc.dictionary.to_pylist(), dtype=object)
+    return pd.Categorical.from_codes(codes, categories=cats)
+
+
+def chunk_gaps(offsets: pa.ChunkedArray | pa.Array, block: int = 4_000_000) -> pa.Array:
+    """Per request, the gaps between consecutive chunk offsets, as a large list of float32 ms.
+
+    Done on the flat value buffer (no per-row Python); float32 halves memory at 1M x 50."""
+    if isinstance(offsets, pa.ChunkedArray):
+        offsets = offsets.combine_chunks() if offsets.num_chunks else pa.array(
+            [], pa.list_(pa.int64()))
+    lens = pc.fill_null(pc.list_value_length(offsets), 0).to_numpy(
+        zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(offsets).to_numpy(zero_copy_only=False)
+    n_gaps = np.maximum(lens - 1, 0)
+    new_offsets = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(n_gaps, out=new_offsets[1:])
+    # A diff at flat position i is a real gap unless i is the last chunk of its request.
+    ends = np.cumsum(lens)
+    keep = np.ones(max(len(values) - 1, 0), bool)
+    last = ends[lens > 0] - 1
+    keep[last[last < len(keep)]] = False
+    out = np.empty(int(new_offsets[-1]), np.float32)
+    pos = 0
+    for s in range(0, len(keep), block):  # bounded temporaries
+        e = min(s + block, len(keep))
+        d = values[s + 1:e + 1] - values[s:e]
+        d = d[keep[s:e]]
+        out[pos:pos + len(d)] = d / NS_PER_MS
+        pos += len(d)
+    return pa.LargeListArray.from_arrays(pa.array(new_offsets), pa.array(out))
+
+
+def prompt_bucket_labels() -> list[str]:
+    edges = BUCKET_EDGES_TOKENS
+    labels = [f"{edges[i]}-{edges[i + 1] - 1}" for i in range(len(edges) - 1)]
+    return labels + [f">={edges[-1]}"]
+
+
+def prompt_buckets(prompt_tokens: np.ndarray) -> pd.Categorical:
+    labels = prompt_bucket_labels()
+    idx = np.searchsorted(np.asarray(BUCKET_EDGES_TOKENS), prompt_tokens, side="right") - 1
+    idx = np.where(np.isnan(prompt_tokens), -1, idx).astype(np.int32)
+    return pd.Categorical.from_codes(idx, categories=labels, ordered=True)
+
+
+def _slo_get(slo_cfg, key: str):
+    if slo_cfg is None:
+        return None
+    return slo_cfg.get(key) if isinstance(slo_cfg, Mapping) else getattr(slo_cfg, key, None)
+
+
+def slo_met(frame_cols: Mapping[str, np.ndarray], classes: pd.Categorical,
+            slo: Mapping[str, object] | None) -> np.ndarray:
+    """True where the request succeeded and met every SLO set for its class.
+
+    A class with no SLO table only needs success; a single-token response has no TPOT, so a
+    TPOT SLO does not apply to it."""
+    ok = frame_cols["ok"]
+    met = ok.copy()
+    if not slo:
+        return met
+    cls = np.asarray(classes.astype(object))
+    for name, cfg in slo.items():
+        rows = cls == name
+        if not rows.any():
+            continue
+        for key, col in (("ttft_ms", "ttft_ms"), ("tpot_ms", "tpot_ms"), ("e2e_ms", "e2e_ms")):
+            limit = _slo_get(cfg, key)
+            if limit is None:
+                continue
+            v = frame_cols[col][rows]
+            fine = (v <= float(limit)) | (np.isnan(v) & (key == "tpot_ms"))
+            met[rows] &= fine
+    return met
+
+
+def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
+                  slo: Mapping[str, object] | None = None,
+                  endpoint_label: Callable[[str], str] | None = None) -> pd.DataFrame:
+    """One row per request with every derived per-request value; see ``DEFINITIONS``.
+
+    ``stages``: run.json ``stages`` (their t_start_ns/t_end_ns give the wall time for rates);
+    ``slo``: {class: SLO or dict with ttft_ms/tpot_ms/e2e_ms}."""
+    n = table.num_rows
+    status = _categorical(table.column("status"))
+    ok = np.asarray(status == "ok")
+    ttft_ns = _f64(table, "ttft_ns")
+    e2e_ns = _f64(table, "e2e_ns")
+    t_sent = table.column("t_sent").to_numpy(zero_copy_only=False)
+    t_sched = table.column("t_scheduled").to_numpy(zero_copy_only=False)
+    prompt = _f64(table, "prompt_tokens")
+    prompt = np.where(np.isnan(prompt), _f64(table, "prompt_tokens_client"), prompt)
+    completion = _f64(table, "completion_tokens")
+    completion = np.where(np.isnan(completion), _f64(table, "completion_tokens_client"),
+                          completion)
+    ttft_ms = np.where(ok, ttft_ns / NS_PER_MS, np.nan)
+    e2e_ms = np.where(ok, e2e_ns / NS_PER_MS, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot_ms = np.where(ok & (completion > 1), (e2e_ms - ttft_ms) / (completion - 1), np.nan)
+    cols: dict[str, object] = {}
+    for c in _STRING_COLS:
+        cols[c] = _categorical(table.column(c))
+    if endpoint_label is not None:
+        cols["endpoint"] = cols["endpoint"].rename_categories(
+            [endpoint_label(c) for c in cols["endpoint"].categories])
+    cols.update({
+        "stage": table.column("stage").to_numpy(zero_copy_only=False),
+        "turn": table.column("turn").to_numpy(zero_copy_only=False),
+        "ok": ok,
+        "http_status": _f64(table, "http_status"),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": _f64(table, "cached_tokens"),
+        "shared_prefix_tokens": _f64(table, "shared_prefix_tokens"),
+        "t_scheduled_ns": t_sched,
+        "t_sent_ns": t_sent,
+        "ttft_ms": ttft_ms,
+        "tpot_ms": tpot_ms,
+        "e2e_ms": e2e_ms,
+        "lateness_ms": (t_sent - t_sched) / NS_PER_MS,
+        "server_queue_ms": _f64(table, "server_queue_ns") / NS_PER_MS,
+        "server_prefill_ms": _f64(table, "server_prefill_ns") / NS_PER_MS,
+        "server_kv_transfer_ms": _f64(table, "server_kv_transfer_ns") / NS_PER_MS,
+        "server_first_decode_ms": _f64(table, "server_first_decode_ns") / NS_PER_MS,
+    })
+    cols["prompt_bucket"] = prompt_buckets(prompt)
+    cols["slo_met"] = slo_met(cols, cols["request_class"], slo)
+    key, wall = _stage_walls(table, cols, stages, e2e_ns)
+    cols["stage_key"] = key
+    cols["stage_wall_s"] = wall
+    gaps = chunk_gaps(table.column("chunk_offsets_ns"))
+    cols["itl_ms"] = pd.arrays.ArrowExtensionArray(gaps)
+    frame = pd.DataFrame(cols, index=pd.RangeIndex(n))
+    return frame
+
+
+def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
+                 e2e_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: an id of its (endpoint, workload, stage) and that stage's wall time in s."""
+    ep_codes = np.asarray(cols["endpoint"].codes, np.int64)
+    wl_codes = np.asarray(cols["workload"].codes, np.int64)
+    stage = np.asarray(cols["stage"], np.int64)
+    n_wl = max(len(cols["workload"].categories), 1)
+    key = (ep_codes * n_wl + wl_codes) * 10_000 + stage
+    wall = np.full(len(key), np.nan)
+    if len(key) == 0:
+        return key, wall
+    uniq, inv = np.unique(key, return_inverse=True)
+    # Fallback from the data: last response end minus first scheduled send, per stage.
+    t_sched = np.asarray(cols["t_scheduled_ns"], np.float64)
+    t_end = np.asarray(cols["t_sent_ns"], np.float64) + np.nan_to_num(e2e_ns)
+    first = np.full(len(uniq), np.inf)
+    last = np.full(len(uniq), -np.inf)
+    np.minimum.at(first, inv, t_sched)
+    np.maximum.at(last, inv, t_end)
+    data_wall = (last - first) / 1e9
+    by_stage = {}
+    raw_ep = table.column("endpoint")
+    ep_names = list(_categorical(raw_ep).categories)
+    wl_names = list(cols["workload"].categories)
+    for st in stages or ():
+        try:
+            k = (ep_names.index(st["endpoint"]) * n_wl + wl_names.index(st["workload"])) \
+                * 10_000 + int(st["index"])
+            by_stage[k] = (int(st["t_end_ns"]) - int(st["t_start_ns"])) / 1e9
+        except (KeyError, ValueError, TypeError):
+            continue
+    walls = np.array([by_stage.get(int(k), d) for k, d in zip(uniq, data_wall)])
+    walls = np.where(walls > 0, walls, np.nan)
+    return key, walls[inv]
+
+
+# --------------------------------------------------------------------------------------------
+# primitives
+
+
+def quantile(values: np.ndarray, q: float) -> float:
+    v = np.asarray(values, np.float64)
+    v = v[~np.isnan(v)]
+    return float(np.quantile(v, q)) if len(v) else math.nan
+
+
+def mean(values: np.ndarray) -> float:
+    v = np.asarray(values, np.float64)
+    v = v[~np.isnan(v)]
+    return float(v.mean()) if len(v) else math.nan
+
+
+def itl_values(frame: pd.DataFrame) -> np.ndarray:
+    """Pooled inter-token gaps (ms) of the successful requests in ``frame``."""
+    arr = frame["itl_ms"].array
+    pa_arr = arr._pa_array if hasattr(arr, "_pa_array") else pa.chunked_array([arr])
+    ok = frame["ok"].to_numpy()
+    if not ok.all():
+        pa_arr = pa_arr.filter(pa.array(ok))
+    flat = pc.list_flatten(pa_arr)
+    if isinstance(flat, pa.ChunkedArray):
+        flat = flat.combine_chunks() if flat.num_chunks else pa.array([], pa.float32())
+    return flat.to_numpy(zero_copy_only=False)
+
+
+def wall_s(frame: pd.DataFrame) -> float:
+    """Wall time of the stages the rows come from (each stage once)."""
+    if len(frame) == 0:
+        return math.nan
+    keys = frame["stage_key"].to_numpy()
+    walls = frame["stage_wall_s"].to_numpy()
+    _, first = np.unique(keys, return_index=True)
+    total = np.nansum(walls[first])
+    return float(total) if total > 0 else math.nan
+
+
+def _rate(count: float, frame: pd.DataFrame) -> float:
+    w = wall_s(frame)
+    return float(count) / w if w == w and w > 0 else math.nan
+
+
+def throughput_rps(frame: pd.DataFrame) -> float:
+    return _rate(len(frame), frame)
+
+
+def goodput_rps(frame: pd.DataFrame) -> float:
+    return _rate(int(frame["slo_met"].sum()), frame)
+
+
+def input_tps(frame: pd.DataFrame) -> float:
+    return _rate(np.nansum(frame["prompt_tokens"].to_numpy()[frame["ok"].to_numpy()]), frame)
+
+
+def output_tps(frame: pd.DataFrame) -> float:
+    return _rate(np.nansum(frame["completion_tokens"].to_numpy()[frame["ok"].to_numpy()]), frame)
+
+
+def error_rate(frame: pd.DataFrame) -> float:
+    n = len(frame)
+    return float((~frame["ok"].to_numpy()).sum()) / n if n else math.nan
+
+
+def slo_attainment(frame: pd.DataFrame) -> float:
+    n = len(frame)
+    return float(frame["slo_met"].to_numpy().sum()) / n if n else math.nan
+
+
+def hit_ratio(frame: pd.DataFrame) -> float:
+    cached = frame["cached_tokens"].to_numpy()
+    prompt = frame["prompt_tokens"].to_numpy()
+    rows = frame["ok"].to_numpy() & ~np.isnan(cached) & ~np.isnan(prompt)
+    total = prompt[rows].sum()
+    return float(cached[rows].sum() / total) if total > 0 else math.nan
+
+
+def error_breakdown(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",)) -> pd.DataFrame:
+    """Counts of requests by status (and ``by``), with each status's share of the group."""
+    g = frame.groupby(list(by) + ["status"], observed=True).size().rename("requests")
+    out = g.reset_index()
+    out["share"] = out["requests"] / out.groupby(list(by), observed=True)["requests"].transform(
+        "sum")
+    return out
+
+
+def counter_delta(t_ns: np.ndarray, series: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Increase of each counter series over its samples, counting resets as restarts from 0.
+
+    Returns one delta per distinct ``series`` id (sorted ids)."""
+    if len(values) == 0:
+        return np.zeros(0)
+    order = np.lexsort((t_ns, series))
+    s, v = series[order], values[order]
+    d = np.diff(v)
+    same = s[1:] == s[:-1]
+    inc = np.where(d >= 0, d, v[1:])  # after a reset the counter counts from zero again
+    inc = np.where(same, inc, 0.0)
+    uniq, first = np.unique(s, return_index=True)
+    sums = np.add.reduceat(np.concatenate([[0.0], inc]), first) if len(inc) else np.zeros(
+        len(uniq))
+    return sums
+
+
+def engine_counter_increase(engine: pa.Table, metric: str) -> dict[str, float]:
+    """Total increase of a counter per endpoint (summed over its label sets)."""
+    if engine.num_rows == 0:
+        return {}
+    rows = engine.filter(pc.equal(engine.column("metric"), metric))
+    if rows.num_rows == 0:
+        return {}
+    labels = [str(sorted(x)) if x else "" for x in rows.column("labels").to_pylist()]
+    ep = rows.column("endpoint").to_pylist()
+    keys = pd.Categorical([f"{e}\x00{lab}" for e, lab in zip(ep, labels)])
+    codes = np.asarray(keys.codes, np.int64)
+    deltas = counter_delta(rows.column("t_ns").to_numpy(), codes,
+                           rows.column("value").to_numpy(zero_copy_only=False))
+    out: dict[str, float] = {}
+    for code, delta in zip(np.unique(codes), deltas):
+        name = keys.categories[code].split("\x00", 1)[0]
+        out[name] = out.get(name, 0.0) + float(delta)
+    return out
+
+
+def engine_hit_ratio(engine: pa.Table) -> dict[str, float]:
+    """Per endpoint: delta prefix_cache_hits_total / delta prefix_cache_queries_total."""
+    hits = engine_counter_increase(engine, PREFIX_HITS)
+    queries = engine_counter_increase(engine, PREFIX_QUERIES)
+    return {ep: hits.get(ep, 0.0) / q for ep, q in queries.items() if q > 0}
+
+
+# --------------------------------------------------------------------------------------------
+# the registry
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    fn: Callable[[pd.DataFrame], float]
+    unit: str
+    higher_is_better: bool
+    column: str | None = None  # per-request column a quantile/mean is taken over
+    q: float | None = None  # the quantile, for quantile metrics
+    label: str = ""
+
+
+def _quantile_metric(column: str, q: float) -> Callable[[pd.DataFrame], float]:
+    if column == "itl_ms":
+        return lambda f: quantile(itl_values(f), q)
+    return lambda f: quantile(f[column].to_numpy(), q)
+
+
+def _mean_metric(column: str) -> Callable[[pd.DataFrame], float]:
+    if column == "itl_ms":
+        return lambda f: mean(itl_values(f))
+    return lambda f: mean(f[column].to_numpy())
+
+
+def _build_registry() -> dict[str, Metric]:
+    reg: dict[str, Metric] = {}
+    for base, col, label in (("ttft", "ttft_ms", "TTFT"), ("tpot", "tpot_ms", "TPOT"),
+                             ("itl", "itl_ms", "ITL"), ("e2e", "e2e_ms", "E2E"),
+                             ("lateness", "lateness_ms", "client lateness")):
+        for qn, q in QUANTILES.items():
+            reg[f"{base}_{qn}"] = Metric(f"{base}_{qn}", _quantile_metric(col, q), "ms", False,
+                                         col, q, f"{label} {qn.replace('p999', 'p99.9')}")
+        reg[f"{base}_mean"] = Metric(f"{base}_mean", _mean_metric(col), "ms", False, col, None,
+                                     f"{label} mean")
+    for name, fn, unit, hib, label in (
+        ("throughput_rps", throughput_rps, "req/s", True, "throughput"),
+        ("goodput_rps", goodput_rps, "req/s", True, "goodput at SLO"),
+        ("input_tps", input_tps, "tok/s", True, "input tokens/s"),
+        ("output_tps", output_tps, "tok/s", True, "output tokens/s"),
+        ("error_rate", error_rate, "fraction", False, "error rate"),
+        ("slo_attainment", slo_attainment, "fraction", True, "SLO attainment"),
+        ("hit_ratio", hit_ratio, "fraction", True, "prefix hit ratio"),
+    ):
+        reg[name] = Metric(name, fn, unit, hib, label=label)
+    return reg
+
+
+METRIC_INFO: dict[str, Metric] = _build_registry()
+# The registry the gate uses: name -> function(frame) -> float.
+METRICS: dict[str, Callable[[pd.DataFrame], float]] = {k: m.fn for k, m in METRIC_INFO.items()}
+
+
+def metric_name(name: str) -> str:
+    """Canonical registry name (accepts ``ttft_p99.9`` for ``ttft_p999``, ``e2el_`` for
+    vLLM's E2EL)."""
+    key = name.strip().lower().replace("p99.9", "p999")
+    if key.startswith("e2el_"):
+        key = "e2e_" + key[len("e2el_"):]
+    if key not in METRIC_INFO:
+        from kvbench.errors import UserError
+
+        raise UserError(f"unknown metric {name!r}; use one of {', '.join(sorted(METRIC_INFO))}")
+    return key
+
+
+def statistic(frame: pd.DataFrame, name: str) -> float:
+    """The value of metric ``name`` (see ``METRICS``) on the rows of ``frame``."""
+    return METRIC_INFO[metric_name(name)].fn(frame)
+
+
+# --------------------------------------------------------------------------------------------
+# bootstrap
+
+
+class CI(NamedTuple):
+    estimate: float
+    low: float
+    high: float
+
+
+def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
+                       confidence: float = 0.95, seed: int = 0) -> CI:
+    """Bootstrap CI of the q-quantile, drawn exactly and in O(resamples) after one sort.
+
+    The k-th order statistic of n draws with replacement from the sorted sample is
+    sorted[floor(n * U_(k))] with U_(k) ~ Beta(k, n - k + 1); U_(k+1) is U_(k) plus the minimum
+    of n - k uniforms on the rest, so both neighbours of the interpolated quantile are drawn
+    jointly. Same distribution as resampling indices, without materialising n x B indices."""
+    v = np.asarray(values, np.float64)
+    v = np.sort(v[~np.isnan(v)])
+    n = len(v)
+    if n == 0:
+        return CI(math.nan, math.nan, math.nan)
+    est = float(np.quantile(v, q))
+    if n == 1:
+        return CI(est, est, est)
+    rng = np.random.default_rng(seed)
+    h = (n - 1) * q  # numpy 'linear': between order statistics floor(h) and floor(h)+1 (0-based)
+    lo_i = int(math.floor(h))
+    frac = h - lo_i
+    k = lo_i + 1  # 1-based rank
+    u_k = rng.beta(k, n - k + 1, size=resamples)
+    idx_k = np.minimum((u_k * n).astype(np.int64), n - 1)
+    if frac > 0 and k < n:
+        u_next = u_k + (1.0 - u_k) * rng.beta(1, n - k, size=resamples)
+        idx_next = np.minimum((u_next * n).astype(np.int64), n - 1)
+        reps = v[idx_k] + frac * (v[idx_next] - v[idx_k])
+    else:
+        reps = v[idx_k]
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a])
+    return CI(est, float(lo), float(hi))
+
+
+def index_bootstrap(frame: pd.DataFrame, fn: Callable[[pd.DataFrame], float],
+                    resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> CI:
+    """Generic bootstrap: resample requests with replacement, recompute ``fn``."""
+    n = len(frame)
+    est = fn(frame)
+    if n == 0:
+        return CI(est, math.nan, math.nan)
+    rng = np.random.default_rng(seed)
+    reps = np.empty(resamples)
+    for b in range(resamples):
+        reps[b] = fn(frame.iloc[rng.integers(0, n, n)])
+    reps = reps[~np.isnan(reps)]
+    if len(reps) == 0:
+        return CI(est, math.nan, math.nan)
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a])
+    return CI(est, float(lo), float(hi))
+
+
+def mean_bootstrap(values: np.ndarray, resamples: int = 1000, confidence: float = 0.95,
+                   seed: int = 0, max_rows: int = 100_000) -> CI:
+    """Vectorised bootstrap CI of the mean (blocks of resamples as one index matrix).
+
+    Above ``max_rows`` it bootstraps a seeded subsample of ``max_rows`` and rescales the spread
+    by sqrt(m / n) (m-out-of-n bootstrap; valid for the mean, which is root-n consistent)."""
+    v = np.asarray(values, np.float64)
+    v = v[~np.isnan(v)]
+    n = len(v)
+    if n == 0:
+        return CI(math.nan, math.nan, math.nan)
+    est = float(v.mean())
+    rng = np.random.default_rng(seed)
+    m = min(n, max_rows)
+    sample = v if m == n else v[rng.choice(n, m, replace=False)]
+    reps = np.empty(resamples)
+    block = max(1, 4_000_000 // m)
+    for s in range(0, resamples, block):
+        e = min(s + block, resamples)
+        reps[s:e] = sample[rng.integers(0, m, (e - s, m))].mean(axis=1)
+    scale = math.sqrt(m / n)
+    centre = sample.mean()
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a])
+    return CI(est, float(est + (lo - centre) * scale), float(est + (hi - centre) * scale))
+
+
+def bootstrap(frame: pd.DataFrame, name: str, resamples: int = 1000, confidence: float = 0.95,
+              seed: int = 0) -> CI:
+    """Seeded bootstrap CI of metric ``name``: exact order-statistic draws for quantiles,
+    vectorised resampling for means, request resampling for rates and ratios."""
+    m = METRIC_INFO[metric_name(name)]
+    if m.column is not None:
+        values = itl_values(frame) if m.column == "itl_ms" else frame[m.column].to_numpy()
+        if m.q is not None:
+            return quantile_bootstrap(values, m.q, resamples, confidence, seed)
+        return mean_bootstrap(values, resamples, confidence, seed)
+    return _rate_bootstrap(frame, m, resamples, confidence, seed)
+
+
+def _rate_bootstrap(frame: pd.DataFrame, m: Metric, resamples: int, confidence: float,
+                    seed: int) -> CI:
+    """Rates and ratios are sums over requests: bootstrap the per-request contributions with
+    one index matrix per block (the wall time is fixed by the stages)."""
+    est = m.fn(frame)
+    n = len(frame)
+    if n == 0 or est != est:
+        return CI(est, math.nan, math.nan)
+    ok = frame["ok"].to_numpy()
+    num_den = {
+        "throughput_rps": (np.ones(n), None),
+        "goodput_rps": (frame["slo_met"].to_numpy().astype(float), None),
+        "input_tps": (np.where(ok, np.nan_to_num(frame["prompt_tokens"].to_numpy()), 0), None),
+        "output_tps": (np.where(ok, np.nan_to_num(frame["completion_tokens"].to_numpy()), 0),
+                       None),
+        "error_rate": ((~ok).astype(float), np.ones(n)),
+        "slo_attainment": (frame["slo_met"].to_numpy().astype(float), np.ones(n)),
+    }
+    if m.name == "hit_ratio":
+        c = frame["cached_tokens"].to_numpy()
+        p = frame["prompt_tokens"].to_numpy()
+        rows = ok & ~np.isnan(c) & ~np.isnan(p)
+        num, den = np.where(rows, c, 0.0), np.where(rows, p, 0.0)
+    elif m.name in num_den:
+        num, den = num_den[m.name]
+    else:
+        return index_bootstrap(frame, m.fn, resamples, confidence, seed)
+    w = wall_s(frame)
+    rng = np.random.default_rng(seed)
+    reps = np.empty(resamples)
+    block = max(1, 4_000_000 // n)
+    for s in range(0, resamples, block):
+        e = min(s + block, resamples)
+        idx = rng.integers(0, n, (e - s, n))
+        top = num[idx].sum(axis=1)
+        if den is None:
+            reps[s:e] = top / w
+        else:
+            bottom = den[idx].sum(axis=1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                reps[s:e] = top / bottom
+    reps = reps[~np.isnan(reps)]
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a]) if len(reps) else (math.nan, math.nan)
+    return CI(est, float(lo), float(hi))
+
+
+# --------------------------------------------------------------------------------------------
+# group-bys
+
+GROUP_KEYS = ("endpoint", "topology", "request_class", "stage", "prompt_bucket", "workload")
+
+
+def summarise(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",),
+              metrics: Iterable[str] = ("throughput_rps", "goodput_rps", "ttft_p50", "ttft_p99",
+                                        "tpot_p50", "e2e_p99", "error_rate"),
+              min_rows: int = 1) -> pd.DataFrame:
+    """One row per group of ``by`` with each metric as a column (groups in sorted order)."""
+    names = [metric_name(m) for m in metrics]
+    rows = []
+    for key, sub in frame.groupby(list(by), observed=True, sort=True):
+        if len(sub) < min_rows:
+            continue
+        key = key if isinstance(key, tuple) else (key,)
+        row = dict(zip(by, key))
+        row["requests"] = len(sub)
+        for name in names:
+            row[name] = METRIC_INFO[name].fn(sub)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(by) + ["requests"] + names)
+
+
+def cdf_points(values: np.ndarray, points: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """(x, F(x)) at ``points`` quantile levels: plots a CDF without shipping raw points."""
+    v = np.asarray(values, np.float64)
+    v = v[~np.isnan(v)]
+    if len(v) == 0:
+        return np.zeros(0), np.zeros(0)
+    levels = np.concatenate([np.linspace(0, 0.99, points - 40, endpoint=False),
+                             np.linspace(0.99, 1.0, 40)])
+    if len(v) > 2_000_000:  # a histogram on log bins is exact at its edges and O(n)
+        lo, hi = max(float(v.min()), 1e-6), max(float(v.max()), 1e-6)
+        edges = np.geomspace(lo, hi * (1 + 1e-9), points * 4) if hi > lo else np.array([lo, hi])
+        counts, edges = np.histogram(np.clip(v, lo, None), bins=edges)
+        cdf = np.cumsum(counts) / len(v)
+        return edges[1:], cdf
+    return np.quantile(v, levels), levels
