@@ -77,8 +77,10 @@ class NvmlSampler:
 
     def __init__(self, emit: Callable[[pa.RecordBatch], None], *, interval_s: float = 0.1,
                  roles=(), host: str | None = None, nvml=None, flush_every_s: float = 1.0,
-                 log: Callable[[str], None] = _log_stderr):
+                 log: Callable[[str], None] = _log_stderr,
+                 clock_ns: Callable[[], int] = time.time_ns):
         self.emit = emit
+        self.clock_ns = clock_ns  # epoch ns; injectable so tests can skew a host's clock
         self.interval_s = float(interval_s)
         self.roles = list(roles)
         self.host = host or socket.gethostname()
@@ -290,7 +292,7 @@ class NvmlSampler:
         nv = self._nv
         for dev in self.devices:
             h = dev.handle
-            row = {"t_ns": time.time_ns(), "host": self.host, "gpu": dev.index,
+            row = {"t_ns": self.clock_ns(), "host": self.host, "gpu": dev.index,
                    "role": dev.role, "source": "nvml"}
             u = self._call(dev, "utilization", "nvmlDeviceGetUtilizationRates", h)
             if u is not None:
