@@ -468,26 +468,35 @@ def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
     of n - k uniforms on the rest, so both neighbours of the interpolated quantile are drawn
     jointly. Same distribution as resampling indices, without materialising n x B indices."""
     v = np.asarray(values, np.float64)
-    v = np.sort(v[~np.isnan(v)])
+    v = v[~np.isnan(v)]
     n = len(v)
     if n == 0:
         return CI(math.nan, math.nan, math.nan)
-    est = float(np.quantile(v, q))
-    if n == 1:
-        return CI(est, est, est)
     rng = np.random.default_rng(seed)
     h = (n - 1) * q  # numpy 'linear': between order statistics floor(h) and floor(h)+1 (0-based)
     lo_i = int(math.floor(h))
     frac = h - lo_i
     k = lo_i + 1  # 1-based rank
+    if n == 1:
+        est = float(v[0])
+        return CI(est, est, est)
     u_k = rng.beta(k, n - k + 1, size=resamples)
     idx_k = np.minimum((u_k * n).astype(np.int64), n - 1)
-    if frac > 0 and k < n:
+    use_next = frac > 0 and k < n
+    if use_next:
         u_next = u_k + (1.0 - u_k) * rng.beta(1, n - k, size=resamples)
         idx_next = np.minimum((u_next * n).astype(np.int64), n - 1)
-        reps = v[idx_k] + frac * (v[idx_next] - v[idx_k])
-    else:
-        reps = v[idx_k]
+    # Only the order statistics the draws touch are needed: partition around that slab and
+    # sort it (O(n) instead of a full sort).
+    need_lo = min(int(idx_k.min()), lo_i)
+    need_hi = max(int(idx_next.max()) if use_next else int(idx_k.max()), min(lo_i + 1, n - 1))
+    part = np.partition(v, [need_lo, need_hi]) if need_hi > need_lo else np.partition(
+        v, need_lo)
+    part[need_lo:need_hi + 1].sort()
+    est = float(part[lo_i] + frac * (part[min(lo_i + 1, n - 1)] - part[lo_i]))
+    reps = part[idx_k]
+    if use_next:
+        reps = reps + frac * (part[idx_next] - part[idx_k])
     a = (1 - confidence) / 2
     lo, hi = np.quantile(reps, [a, 1 - a])
     return CI(est, float(lo), float(hi))
@@ -553,50 +562,97 @@ def bootstrap(frame: pd.DataFrame, name: str, resamples: int = 1000, confidence:
 
 
 def _rate_bootstrap(frame: pd.DataFrame, m: Metric, resamples: int, confidence: float,
-                    seed: int) -> CI:
-    """Rates and ratios are sums over requests: bootstrap the per-request contributions with
-    one index matrix per block (the wall time is fixed by the stages)."""
+                    seed: int, max_rows: int = 100_000) -> CI:
+    """Rates and ratios are sums over requests, resampled with the stage wall time fixed.
+
+    Counts of a yes/no per request resample exactly as Binomial(n, k/n) (O(resamples)); token
+    sums and the hit ratio resample a seeded subsample of at most ``max_rows`` requests and
+    rescale the spread by sqrt(m / n), as ``mean_bootstrap`` does."""
     est = m.fn(frame)
     n = len(frame)
     if n == 0 or est != est:
         return CI(est, math.nan, math.nan)
     ok = frame["ok"].to_numpy()
-    num_den = {
-        "throughput_rps": (np.ones(n), None),
-        "goodput_rps": (frame["slo_met"].to_numpy().astype(float), None),
-        "input_tps": (np.where(ok, np.nan_to_num(frame["prompt_tokens"].to_numpy()), 0), None),
-        "output_tps": (np.where(ok, np.nan_to_num(frame["completion_tokens"].to_numpy()), 0),
-                       None),
-        "error_rate": ((~ok).astype(float), np.ones(n)),
-        "slo_attainment": (frame["slo_met"].to_numpy().astype(float), np.ones(n)),
-    }
+    rng = np.random.default_rng(seed)
+    a = (1 - confidence) / 2
+    w = wall_s(frame)
+    flags = {"throughput_rps": np.ones(n, bool), "goodput_rps": frame["slo_met"].to_numpy(),
+             "error_rate": ~ok, "slo_attainment": frame["slo_met"].to_numpy()}
+    if m.name in flags:
+        k = int(flags[m.name].sum())
+        draws = rng.binomial(n, k / n, size=resamples).astype(np.float64)
+        reps = draws / w if m.name.endswith("_rps") else draws / n
+        lo, hi = np.quantile(reps, [a, 1 - a])
+        return CI(est, float(lo), float(hi))
+    if m.name in ("input_tps", "output_tps"):
+        col = "prompt_tokens" if m.name == "input_tps" else "completion_tokens"
+        per_row = np.where(ok, np.nan_to_num(frame[col].to_numpy()), 0.0)
+        ci = mean_bootstrap(per_row, resamples, confidence, seed, max_rows)
+        return CI(est, ci.low * n / w, ci.high * n / w)
     if m.name == "hit_ratio":
         c = frame["cached_tokens"].to_numpy()
         p = frame["prompt_tokens"].to_numpy()
         rows = ok & ~np.isnan(c) & ~np.isnan(p)
-        num, den = np.where(rows, c, 0.0), np.where(rows, p, 0.0)
-    elif m.name in num_den:
-        num, den = num_den[m.name]
-    else:
-        return index_bootstrap(frame, m.fn, resamples, confidence, seed)
-    w = wall_s(frame)
-    rng = np.random.default_rng(seed)
-    reps = np.empty(resamples)
-    block = max(1, 4_000_000 // n)
-    for s in range(0, resamples, block):
-        e = min(s + block, resamples)
-        idx = rng.integers(0, n, (e - s, n))
-        top = num[idx].sum(axis=1)
-        if den is None:
-            reps[s:e] = top / w
-        else:
-            bottom = den[idx].sum(axis=1)
+        num, den = c[rows], p[rows]
+        nr = len(num)
+        mm = min(nr, max_rows)
+        pick = np.arange(nr) if mm == nr else rng.choice(nr, mm, replace=False)
+        num, den = num[pick], den[pick]
+        centre = num.sum() / den.sum() if den.sum() > 0 else math.nan
+        reps = np.empty(resamples)
+        block = max(1, 4_000_000 // max(mm, 1))
+        for s in range(0, resamples, block):
+            e = min(s + block, resamples)
+            idx = rng.integers(0, mm, (e - s, mm))
             with np.errstate(invalid="ignore", divide="ignore"):
-                reps[s:e] = top / bottom
-    reps = reps[~np.isnan(reps)]
-    a = (1 - confidence) / 2
-    lo, hi = np.quantile(reps, [a, 1 - a]) if len(reps) else (math.nan, math.nan)
-    return CI(est, float(lo), float(hi))
+                reps[s:e] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+        reps = reps[~np.isnan(reps)]
+        if len(reps) == 0:
+            return CI(est, math.nan, math.nan)
+        lo, hi = np.quantile(reps, [a, 1 - a])
+        scale = math.sqrt(mm / nr)
+        return CI(est, float(est + (lo - centre) * scale), float(est + (hi - centre) * scale))
+    return index_bootstrap(frame, m.fn, resamples, confidence, seed)
+
+
+def column_values(frame: pd.DataFrame, column: str) -> np.ndarray:
+    """The per-request (or, for ``itl_ms``, pooled per-gap) values a metric is taken over."""
+    return itl_values(frame) if column == "itl_ms" else frame[column].to_numpy()
+
+
+def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
+             resamples: int = 1000, confidence: float = 0.95,
+             seed: int = 0) -> dict[str, float | CI]:
+    """Several metrics at once, extracting each column (ITL pooled once) a single time.
+
+    Same definitions as ``statistic``/``bootstrap``; returns CI tuples when ``ci``."""
+    names = [metric_name(x) for x in names]
+    by_col: dict[str, list[Metric]] = {}
+    out: dict[str, float | CI] = {}
+    for name in names:
+        m = METRIC_INFO[name]
+        if m.column is None:
+            out[name] = (_rate_bootstrap(frame, m, resamples, confidence, seed) if ci
+                         else m.fn(frame))
+        else:
+            by_col.setdefault(m.column, []).append(m)
+    for col, ms in by_col.items():
+        v = np.asarray(column_values(frame, col), np.float64)
+        v = v[~np.isnan(v)]
+        qs = [m for m in ms if m.q is not None]
+        if ci:
+            for m in ms:
+                out[m.name] = (quantile_bootstrap(v, m.q, resamples, confidence, seed)
+                               if m.q is not None
+                               else mean_bootstrap(v, resamples, confidence, seed))
+            continue
+        if qs:
+            vals = np.quantile(v, [m.q for m in qs]) if len(v) else [math.nan] * len(qs)
+            out.update({m.name: float(x) for m, x in zip(qs, vals)})
+        for m in ms:
+            if m.q is None:
+                out[m.name] = float(v.mean()) if len(v) else math.nan
+    return {n: out[n] for n in names}
 
 
 # --------------------------------------------------------------------------------------------
@@ -618,8 +674,7 @@ def summarise(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",),
         key = key if isinstance(key, tuple) else (key,)
         row = dict(zip(by, key))
         row["requests"] = len(sub)
-        for name in names:
-            row[name] = METRIC_INFO[name].fn(sub)
+        row.update(evaluate(sub, names))
         rows.append(row)
     return pd.DataFrame(rows, columns=list(by) + ["requests"] + names)
 

@@ -1,0 +1,51 @@
+"""``kvbench report RESULTS... [-o FILE] [--format html|md] [--slo-config bench.toml]``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kvbench.errors import UserError
+
+
+def add_parser(p) -> None:
+    p.add_argument("results", nargs="+", type=Path, metavar="RESULTS",
+                   help="results directories (results/<run_id>, or results/latest); several "
+                        "give one side-by-side bake-off")
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="file to write (default: report.html in the first results directory "
+                        "for html, standard output for md)")
+    p.add_argument("--format", choices=("html", "md"), default="html",
+                   help="html: one self-contained page; md: a compact summary for CI logs")
+    p.add_argument("--slo-config", type=Path, default=None, metavar="BENCH_TOML",
+                   help="take the SLOs from this bench.toml instead of the runs' own config")
+    p.add_argument("--title", default=None, help="report title")
+
+
+def run(args) -> int:
+    from reports.render import render
+
+    for path in args.results:
+        if not path.is_dir():
+            raise UserError(f"{path}: not a results directory; pass the folder kvbench run "
+                            "wrote (results/<run_id> or results/latest)")
+    slo = None
+    if args.slo_config is not None:
+        from kvbench.config import load_config
+
+        slo = load_config(args.slo_config).slo
+    text = render(args.results, args.format, slo=slo, title=args.title)
+    out = args.output
+    if out is None and args.format == "html":
+        out = args.results[0] / "report.html"
+    if out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{out}: cannot write the report ({exc.strerror}); choose another "
+                        "path with -o") from None
+    print(f"kvbench report: wrote {out} ({len(text) / 1e6:.1f} MB)", file=sys.stderr)
+    return 0

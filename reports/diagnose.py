@@ -1,0 +1,372 @@
+"""The seeds' symptom table as rules: each compares what was measured with what should have
+been, fires only when its evidence is in the data, and says the numbers, the cause and the fix.
+
+Symptom -> cause -> fix rows are from seed 000's table ("Prefix hit rate drops to 8% | Round-robin
+ALB | Cache-aware router on prefix hash", ...). Thresholds are ours and named below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from reports import metrics as M
+from reports.data import ReportData
+
+HIT_RATIO_FRACTION = 0.5  # measured below half of the theoretical ratio ...
+HIT_RATIO_GAP = 0.10  # ... and at least 10 points below it
+SHORT_PROMPT_TOKENS = 512  # seed 000: "Colocate prompts < 512 tokens"
+TTFT_WORSE_FACTOR = 1.05  # disaggregated median TTFT 5% above colocated
+MIN_ROWS = 10  # fewest requests per side of a comparison
+REPREFILL_MIN = 3  # re-prefilled requests needed ...
+REPREFILL_SHARE = 0.02  # ... and their share of requests that had a hit before
+CROSS_REGION_MS = 50.0  # remote-region median TTFT this much above local ...
+CROSS_REGION_FACTOR = 1.2  # ... and 20% above it
+HOGWILD_GAIN = 1.3  # seed 000: "Hogwild! gain under 1.3x -> Revert to single-worker"
+LATENESS_P99_MS = 50.0  # client lateness p99 above this: the generator sends late
+CLIENT_OVERHEAD_P50_MS = 50.0  # client TTFT minus the server's own times, median
+
+
+@dataclass
+class Finding:
+    rule: str
+    title: str
+    evidence: list[tuple[str, str]]
+    cause: str
+    fix: str
+    endpoint: str | None = None
+    severity: str = "warning"
+    numbers: dict = field(default_factory=dict)  # raw values, for tests and the Markdown
+
+
+def _fmt(x: float, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if unit == "%":
+        return f"{100 * x:.1f}%"
+    return f"{x:,.1f}{(' ' + unit) if unit else ''}"
+
+
+def _median(v) -> float:
+    v = np.asarray(v, np.float64)
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if len(v) else math.nan
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def prefix_hits_lost(d: ReportData) -> list[Finding]:
+    out = []
+    f = d.frame
+    engine_hits = M.engine_hit_ratio(d.engine)
+    for (ep, wl), sub in f.groupby(["endpoint", "workload"], observed=True):
+        desc = d.workloads.get(str(wl)) or {}
+        theo = desc.get("theoretical_hit_ratio_unbounded")
+        if theo is None or len(sub) < MIN_ROWS:
+            continue
+        theo = float(theo)
+        measured, source = M.hit_ratio(sub), "cached_tokens"
+        if math.isnan(measured) and str(ep) in engine_hits:
+            measured, source = engine_hits[str(ep)], "engine prefix-cache counters"
+        if math.isnan(measured):
+            continue
+        if measured < HIT_RATIO_FRACTION * theo and theo - measured >= HIT_RATIO_GAP:
+            ev = [("measured prefix hit ratio", f"{_fmt(measured, '%')} (from {source})"),
+                  ("theoretical (unbounded cache)", _fmt(theo, "%")),
+                  ("requests", f"{len(sub):,}")]
+            replicas = sub["server_replica"].nunique()
+            if replicas > 1:
+                ev.append(("replicas serving", str(replicas)))
+                multi = sub[sub["session_id"].duplicated(keep=False)]
+                if len(multi):
+                    spread = multi.groupby("session_id", observed=True)["server_replica"] \
+                        .nunique()
+                    ev.append(("multi-turn sessions served by >1 replica",
+                               _fmt(float((spread > 1).mean()), "%")))
+            out.append(Finding(
+                "prefix_hits_lost", f"{ep}: prefix hit ratio far below what {wl} allows", ev,
+                "requests that share a prefix are spread over replicas without cache-aware "
+                "routing (round robin), so each replica holds a cold cache",
+                "route on a prefix hash (cache-aware router), or pin sessions to a replica",
+                endpoint=str(ep), severity="critical",
+                numbers={"measured": measured, "theoretical": theo}))
+    return out
+
+
+def transfer_tax(d: ReportData) -> list[Finding]:
+    f = d.frame
+    short = f[f["ok"] & (f["prompt_tokens"] < SHORT_PROMPT_TOKENS)]
+    colo = short[short["topology"] == "colocated"]
+    dis = short[short["topology"] == "disaggregated"]
+    if len(colo) < MIN_ROWS or len(dis) < MIN_ROWS:
+        return []
+    c, dd = _median(colo["ttft_ms"]), _median(dis["ttft_ms"])
+    if not dd > c * TTFT_WORSE_FACTOR:
+        return []
+    ev = [(f"median TTFT, prompts < {SHORT_PROMPT_TOKENS} tokens, disaggregated",
+           f"{_fmt(dd, 'ms')} ({len(dis):,} requests)"),
+          ("same, colocated", f"{_fmt(c, 'ms')} ({len(colo):,} requests)")]
+    kv = _median(dis["server_kv_transfer_ms"])
+    if not math.isnan(kv):
+        ev.append(("median server-reported KV transfer (disaggregated)", _fmt(kv, "ms")))
+    long_ = f[f["ok"] & (f["prompt_tokens"] >= 4 * SHORT_PROMPT_TOKENS)]
+    lc = long_[long_["topology"] == "colocated"]["ttft_ms"]
+    ld = long_[long_["topology"] == "disaggregated"]["ttft_ms"]
+    if len(lc) >= MIN_ROWS and len(ld) >= MIN_ROWS:
+        ev.append((f"for prompts >= {4 * SHORT_PROMPT_TOKENS} tokens (dis. / colo.)",
+                   f"{_fmt(_median(ld), 'ms')} / {_fmt(_median(lc), 'ms')}"))
+    return [Finding(
+        "transfer_tax", "disaggregated serving is slower than colocated for short prompts", ev,
+        "the KV transfer tax: moving a short prompt's KV from the prefill pool costs more than "
+        "the prefill it offloads",
+        f"colocate prompts under about {SHORT_PROMPT_TOKENS} tokens (route short prompts to a "
+        "colocated pool); disaggregate only long prompts with long outputs",
+        numbers={"disaggregated_ms": dd, "colocated_ms": c})]
+
+
+def hbm_full(d: ReportData) -> list[Finding]:
+    out = []
+    f = d.frame
+    preempt = M.engine_counter_increase(d.engine, "vllm:num_preemptions_total")
+    reprefill = _reprefills(f)
+    for ep in d.endpoint_names:
+        n_pre = preempt.get(ep, 0.0)
+        rp = reprefill.get(ep)
+        ev = []
+        if n_pre > 0:
+            ev.append(("engine preemptions (vllm:num_preemptions_total increase)",
+                       f"{n_pre:,.0f}"))
+        if rp is not None:
+            ev.append(("requests prefilled again on the same replica after a prefix hit "
+                       "in their session", f"{rp['count']:,} ({_fmt(rp['share'], '%')})"))
+            ev.append(("median TTFT of those / of hits",
+                       f"{_fmt(rp['ttft_again'], 'ms')} / {_fmt(rp['ttft_hit'], 'ms')}"))
+        if ev:
+            out.append(Finding(
+                "hbm_full", f"{ep}: the KV cache is evicted under load (HBM full)", ev,
+                "HBM is full: the engine preempts running requests and evicts prefixes, so "
+                "the same prompt is prefilled again",
+                "add a KV offload tier (LMCache or the engine's native CPU offload), or lower "
+                "max concurrency", endpoint=ep,
+                numbers={"preemptions": n_pre, "reprefills": (rp or {}).get("count", 0)}))
+    return out
+
+
+def _reprefills(f: pd.DataFrame) -> dict[str, dict]:
+    """Per endpoint, requests whose (session, replica) had a prefix hit before but now report
+    (almost) nothing cached although they carry a shared prefix."""
+    rows = f[f["ok"] & f["cached_tokens"].notna() & (f["session_id"].cat.codes >= 0)]
+    if len(rows) == 0:
+        return {}
+    rows = rows.sort_values(["session_id", "server_replica", "turn", "t_sent_ns"])
+    hit = (rows["cached_tokens"] > 0).to_numpy()
+    grp = rows["session_id"].cat.codes.to_numpy().astype(np.int64) * 1_000_003 \
+        + rows["server_replica"].cat.codes.to_numpy()
+    new_grp = np.r_[True, grp[1:] != grp[:-1]]
+    # any earlier hit in the same group: cumulative count of hits, reset per group
+    csum = np.cumsum(hit)
+    start = np.maximum.accumulate(np.where(new_grp, np.arange(len(hit)), 0))
+    before = csum - hit - np.where(start > 0, csum[start - 1], 0)
+    had_hit = before > 0
+    shared = rows["shared_prefix_tokens"].to_numpy()
+    again = had_hit & (shared >= 16) & (rows["cached_tokens"].to_numpy() <= 0.1 * shared)
+    out = {}
+    eps = rows["endpoint"].astype(str).to_numpy()
+    ttft = rows["ttft_ms"].to_numpy()
+    for ep in np.unique(eps):
+        m = eps == ep
+        n_again, n_base = int((again & m).sum()), int((had_hit & m).sum())
+        if n_again >= REPREFILL_MIN and n_again >= REPREFILL_SHARE * max(n_base, 1):
+            out[str(ep)] = {"count": n_again, "share": n_again / max(n_base, 1),
+                            "ttft_again": _median(ttft[again & m]),
+                            "ttft_hit": _median(ttft[m & hit])}
+    return out
+
+
+def _endpoint_setting(d: ReportData, ep: str, header: str, keys: tuple[str, ...]) -> str | None:
+    """A per-endpoint region setting from run.json's endpoint entry or the resolved config
+    (request header, or builtin option)."""
+    entry = d.endpoints.get(ep) or {}
+    for k in keys:
+        if entry.get(k):
+            return str(entry[k])
+    name = entry.get("name", ep)
+    for run in d.runs:
+        for cfg in (run.get("config") or {}).get("endpoints") or []:
+            if not isinstance(cfg, dict) or cfg.get("name") != name:
+                continue
+            hdrs = {str(k).lower(): v for k, v in (cfg.get("headers") or {}).items()}
+            if hdrs.get(header):
+                return str(hdrs[header])
+            opts = cfg.get("options") or {}
+            for k in keys:
+                if opts.get(k):
+                    return str(opts[k])
+    return None
+
+
+def cross_region(d: ReportData) -> list[Finding]:
+    out = []
+    f = d.frame
+    for ep, sub in f[f["ok"] & (f["server_region"].cat.codes >= 0)].groupby(
+            "endpoint", observed=True):
+        regions = sub["server_region"].astype(str)
+        caller = _endpoint_setting(d, str(ep), "x-kvbench-region",
+                                   ("caller_region", "client_region", "region"))
+        note = f"caller region {caller} (from the endpoint's settings)"
+        if caller is None:
+            if regions.nunique() < 2:
+                continue
+            caller = regions.value_counts().index[0]
+            note = (f"caller region not recorded; {caller}, which served the most requests, "
+                    "is taken as home")
+        local = sub[regions == caller]["ttft_ms"]
+        remote = sub[regions != caller]["ttft_ms"]
+        if len(local) < MIN_ROWS or len(remote) < MIN_ROWS:
+            continue
+        lm, rm = _median(local), _median(remote)
+        if rm > lm + CROSS_REGION_MS and rm > lm * CROSS_REGION_FACTOR:
+            others = sorted(set(regions) - {caller})
+            out.append(Finding(
+                "cross_region", f"{ep}: requests served in another region have a higher TTFT",
+                [("median TTFT served in " + ", ".join(others), f"{_fmt(rm, 'ms')} "
+                  f"({len(remote):,} requests)"),
+                 (f"median TTFT served in {caller}", f"{_fmt(lm, 'ms')} ({len(local):,})"),
+                 ("home region", note)],
+                "cross-region routing: the round trip (about 440 ms between regions, seed 000) "
+                "costs more than the prefill a remote cache hit saves",
+                "keep routing regional; only go cross-region when the saved prefill exceeds "
+                "the round trip", endpoint=str(ep),
+                numbers={"remote_ms": rm, "local_ms": lm}))
+    return out
+
+
+def residency(d: ReportData) -> list[Finding]:
+    out = []
+    f = d.frame
+    for ep, sub in f[f["ok"] & (f["server_region"].cat.codes >= 0)].groupby(
+            "endpoint", observed=True):
+        home = _endpoint_setting(d, str(ep), "x-kvbench-residency",
+                                 ("residency", "residency_region"))
+        if home is None:
+            continue
+        regions = sub["server_region"].astype(str)
+        outside = regions != home
+        if outside.any():
+            seen = regions[outside].value_counts()
+            out.append(Finding(
+                "residency", f"{ep}: requests served outside their residency region {home}",
+                [("requests served outside " + home,
+                  f"{int(outside.sum()):,} of {len(sub):,} ({_fmt(float(outside.mean()), '%')})"),
+                 ("served in", ", ".join(f"{r} ({c:,})" for r, c in seen.items()))],
+                "the router ignores data residency and balances across regions",
+                "partition routers by residency: a router per residency region that only "
+                "knows that region's replicas", endpoint=str(ep), severity="critical",
+                numbers={"outside": int(outside.sum())}))
+    return out
+
+
+def hogwild(d: ReportData) -> list[Finding]:
+    f = d.frame
+    hw = f[f["request_class"] == "hogwild"]
+    if len(hw) == 0:
+        return []
+    specs = {}
+    for run in d.runs:
+        for name, spec in ((run.get("config") or {}).get("workloads") or {}).items():
+            if isinstance(spec, dict) and spec.get("kind") == "hogwild":
+                specs[name] = spec
+    out = []
+    for ep, sub in hw.groupby("endpoint", observed=True):
+        per_task = {}
+        for wl, w in sub.groupby("workload", observed=True):
+            spec = specs.get(str(wl))
+            if spec is None:
+                continue
+            end = (w["t_sent_ns"] + w["e2e_ms"].fillna(0) * M.NS_PER_MS).max()
+            makespan_s = (end - w["t_sent_ns"].min()) / 1e9
+            per_task[str(wl)] = (int(spec.get("workers", 4)), makespan_s
+                                 / max(int(spec.get("tasks", 2)), 1))
+        base = [t for wl, (n, t) in per_task.items() if n == 1]
+        if not base:
+            continue
+        t1 = min(base)
+        for wl, (n, t) in sorted(per_task.items()):
+            if n <= 1 or t <= 0:
+                continue
+            speedup = t1 / t
+            if speedup >= HOGWILD_GAIN:
+                continue
+            below = speedup < 1
+            out.append(Finding(
+                "hogwild", f"{ep}: Hogwild! with {n} workers is "
+                + ("slower than one worker" if below else "barely faster than one worker"),
+                [("per-task completion, 1 worker", _fmt(t1, "s")),
+                 (f"per-task completion, {n} workers ({wl})", _fmt(t, "s")),
+                 ("speedup", f"{speedup:.2f}x (worth it from {HOGWILD_GAIN}x)")],
+                "the workers duplicate each other's work" if below else
+                "coordination through the shared cache dominates the parallel gain",
+                "use a reasoning model that divides the work (seed 000), or revert to a single "
+                "worker" if below else "revert to a single worker for this task",
+                endpoint=str(ep), numbers={"speedup": speedup}))
+    return out
+
+
+def loadgen_saturated(d: ReportData) -> list[Finding]:
+    out = []
+    f = d.frame
+    for ep, sub in f.groupby("endpoint", observed=True):
+        if len(sub) < MIN_ROWS:
+            continue
+        ev = []
+        late_p99 = M.quantile(sub["lateness_ms"].to_numpy(), 0.99)
+        if late_p99 > LATENESS_P99_MS:
+            ev.append(("client lateness p99 (t_sent - t_scheduled)", _fmt(late_p99, "ms")))
+            ev.append(("client lateness mean", _fmt(M.mean(sub["lateness_ms"].to_numpy()),
+                                                    "ms")))
+        ok = sub[sub["ok"]]
+        server = (ok["server_queue_ms"] + ok["server_prefill_ms"]
+                  + ok["server_kv_transfer_ms"].fillna(0) + ok["server_first_decode_ms"])
+        if server.notna().sum() >= MIN_ROWS:
+            regions = ok["server_region"].astype(str)
+            home = regions.value_counts().index[0] if ok["server_region"].notna().any() else None
+            mask = server.notna() & ((regions == home) if home else True)
+            overhead = _median((ok["ttft_ms"] - server)[mask])
+            if overhead > CLIENT_OVERHEAD_P50_MS:
+                ev.append(("median client TTFT minus server-reported time (per-chunk lag)",
+                           _fmt(overhead, "ms")))
+        if ev:
+            workers = sub["worker"].nunique()
+            ev.append(("load processes", str(workers)))
+            out.append(Finding(
+                "loadgen_saturated", f"{ep}: the load generator itself is saturated", ev,
+                "the load generator cannot send on schedule or read responses as they arrive; "
+                "its latency is in the measurements",
+                "add load processes (kvbench run spreads users over more processes/hosts) or "
+                "lower the rate per process", endpoint=str(ep),
+                numbers={"lateness_p99_ms": late_p99}))
+    return out
+
+
+RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
+    "prefix_hits_lost": prefix_hits_lost,
+    "transfer_tax": transfer_tax,
+    "hbm_full": hbm_full,
+    "cross_region": cross_region,
+    "residency": residency,
+    "hogwild": hogwild,
+    "loadgen_saturated": loadgen_saturated,
+}
+
+
+def diagnose(d: ReportData) -> list[Finding]:
+    """Every rule's findings, critical first."""
+    found = []
+    for rule in RULES.values():
+        found.extend(rule(d))
+    return sorted(found, key=lambda x: (x.severity != "critical", x.rule, x.endpoint or ""))

@@ -1,0 +1,262 @@
+"""The report's figures, built with plotly from summarised data (quantiles and bins, never raw
+points at scale), returned as plotly JSON-ready dicts."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.colors
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from reports import metrics as M
+from reports.data import ReportData
+
+TIME_BINS = 60
+SCATTER_POINTS = 1500  # per topology, seeded sample
+_LAYOUT = dict(template="plotly_white", height=380, margin=dict(l=60, r=20, t=50, b=50),
+               legend=dict(orientation="h", y=-0.2))
+
+
+class Figure(dict):
+    """A figure as plotly JSON (data, layout) plus a title and an optional note."""
+
+
+def _fig(fig: go.Figure, key: str, title: str, note: str = "") -> Figure:
+    fig.update_layout(title=title, **_LAYOUT)
+    d = fig.to_plotly_json()
+    return Figure(key=key, title=title, note=note, data=d["data"], layout=d["layout"])
+
+
+def _times_rel_s(frame: pd.DataFrame) -> np.ndarray:
+    """Seconds since each endpoint's first send (endpoints of a bake-off ran at other times)."""
+    t = frame["t_sent_ns"].to_numpy()
+    first = frame.groupby("endpoint", observed=True)["t_sent_ns"].transform("min").to_numpy()
+    return (t - first) / 1e9
+
+
+def cdfs(d: ReportData, itl_cache: dict[str, np.ndarray]) -> list[Figure]:
+    out = []
+    f = d.frame
+    for key, col, title in (("cdf_ttft", "ttft_ms", "CDF of TTFT"),
+                            ("cdf_itl", "itl_ms", "CDF of inter-token latency (ITL)"),
+                            ("cdf_e2e", "e2e_ms", "CDF of end-to-end latency (E2E)")):
+        fig = go.Figure()
+        for ep in d.endpoint_names:
+            v = itl_cache[ep] if col == "itl_ms" else f.loc[f["endpoint"] == ep, col].to_numpy()
+            x, y = M.cdf_points(v)
+            if len(x):
+                fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=ep))
+        fig.update_xaxes(title_text="ms", type="log")
+        fig.update_yaxes(title_text="fraction of " + ("gaps" if col == "itl_ms" else
+                                                      "requests"), range=[0, 1])
+        out.append(_fig(fig, key, title))
+    return out
+
+
+def load_curves(d: ReportData, stage_table: pd.DataFrame) -> list[Figure]:
+    """Latency and goodput against offered load (one point per stage)."""
+    if stage_table.empty:
+        return []
+    lat = go.Figure()
+    good = go.Figure()
+    x_title = stage_table.attrs.get("x_title", "offered load")
+    for ep, rows in stage_table.groupby("endpoint", sort=False):
+        rows = rows.sort_values("offered")
+        lat.add_trace(go.Scatter(x=rows["offered"], y=rows["ttft_p50"], mode="lines+markers",
+                                 name=f"{ep} TTFT p50"))
+        lat.add_trace(go.Scatter(x=rows["offered"], y=rows["ttft_p99"], mode="lines+markers",
+                                 line=dict(dash="dash"), name=f"{ep} TTFT p99"))
+        good.add_trace(go.Scatter(x=rows["offered"], y=rows["goodput_rps"],
+                                  mode="lines+markers", name=f"{ep} goodput"))
+        good.add_trace(go.Scatter(x=rows["offered"], y=rows["throughput_rps"],
+                                  mode="lines+markers", line=dict(dash="dot"),
+                                  name=f"{ep} throughput"))
+    lat.update_xaxes(title_text=x_title)
+    lat.update_yaxes(title_text="TTFT (ms)")
+    good.update_xaxes(title_text=x_title)
+    good.update_yaxes(title_text="requests/s")
+    return [_fig(lat, "latency_vs_load", "Latency against offered load"),
+            _fig(good, "goodput_vs_load", "Goodput at SLO against offered load")]
+
+
+def ttft_vs_prompt(d: ReportData, costmodel=None, costmodel_error: str = "") -> Figure:
+    f = d.frame[d.frame["ok"] & d.frame["prompt_tokens"].notna()]
+    fig = go.Figure()
+    rng = np.random.default_rng(0)
+    p_max = float(f["prompt_tokens"].max()) if len(f) else 1.0
+    edges = np.unique(np.geomspace(1, max(p_max, 2) * 1.001, 25).astype(np.int64))
+    for topo, rows in f.groupby("topology", observed=True):
+        p = rows["prompt_tokens"].to_numpy()
+        t = rows["ttft_ms"].to_numpy()
+        pick = rng.choice(len(p), min(len(p), SCATTER_POINTS), replace=False)
+        fig.add_trace(go.Scatter(x=p[pick], y=t[pick], mode="markers", opacity=0.35,
+                                 marker=dict(size=4), name=f"{topo} (sample)",
+                                 legendgroup=str(topo)))
+        b = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
+        med = pd.Series(t).groupby(b).median()
+        centre = np.sqrt(edges[med.index.to_numpy()] * edges[med.index.to_numpy() + 1])
+        fig.add_trace(go.Scatter(x=centre, y=med.to_numpy(), mode="lines+markers",
+                                 name=f"{topo} median", legendgroup=str(topo)))
+    note = ""
+    if costmodel is not None and len(f):
+        out_med = float(np.nanmedian(f["completion_tokens"].to_numpy())) or 1.0
+        grid = np.geomspace(max(1.0, float(f["prompt_tokens"].min())), p_max, 60)
+        try:
+            colo = [costmodel.ms_colocated(int(g), 1) for g in grid]
+            dis = [costmodel.ms_disaggregated(int(g), 1, use_rdma=True) for g in grid]
+            cross = costmodel.pd_crossover_prompt_tokens(int(round(out_med)), use_rdma=True)
+        except Exception as exc:  # the model's own error: show the data without the overlay
+            note = f"cost model overlay omitted: {type(exc).__name__}: {exc}"
+        else:
+            fig.add_trace(go.Scatter(x=grid, y=colo, mode="lines", line=dict(dash="dot"),
+                                     name="cost model: colocated (prefill + 1 token)"))
+            fig.add_trace(go.Scatter(x=grid, y=dis, mode="lines", line=dict(dash="dot"),
+                                     name="cost model: disaggregated, RDMA"))
+            if cross is not None and math.isfinite(float(cross)) and float(cross) > 0:
+                fig.add_vline(x=float(cross), line_dash="dash", line_color="#555")
+                fig.add_annotation(x=math.log10(float(cross)), y=1, yref="paper",
+                                   text=f"predicted P/D crossover: {float(cross):,.0f} tokens "
+                                        f"(output {out_med:.0f})", showarrow=False,
+                                   xanchor="left")
+                note = (f"Cost model (endpoints.costmodel): disaggregation predicted to win above "
+                        f"{float(cross):,.0f} prompt tokens for the median output of "
+                        f"{out_med:.0f} tokens, over RDMA.")
+    elif costmodel is None:
+        note = f"cost model overlay omitted: {costmodel_error or 'endpoints.costmodel missing'}"
+    fig.update_xaxes(title_text="prompt tokens", type="log")
+    fig.update_yaxes(title_text="TTFT (ms)", type="log")
+    return _fig(fig, "ttft_vs_prompt", "TTFT against prompt length, per topology", note)
+
+
+def _bin_edges(t_s: np.ndarray) -> np.ndarray:
+    hi = float(np.nanmax(t_s)) if len(t_s) else 1.0
+    return np.linspace(0, max(hi, 1e-3) * 1.000001, TIME_BINS + 1)
+
+
+def hit_ratio_over_time(d: ReportData) -> Figure | None:
+    f = d.frame
+    fig = go.Figure()
+    has = False
+    t = _times_rel_s(f)
+    rows = (f["ok"] & f["cached_tokens"].notna() & f["prompt_tokens"].notna()).to_numpy()
+    if rows.any():
+        edges = _bin_edges(t[rows])
+        centre = (edges[1:] + edges[:-1]) / 2
+        eps = f["endpoint"].to_numpy()[rows]
+        for ep in d.endpoint_names:
+            m = eps == ep
+            if not m.any():
+                continue
+            b = np.clip(np.searchsorted(edges, t[rows][m], side="right") - 1, 0, TIME_BINS - 1)
+            cached = np.bincount(b, f["cached_tokens"].to_numpy()[rows][m], TIME_BINS)
+            prompt = np.bincount(b, f["prompt_tokens"].to_numpy()[rows][m], TIME_BINS)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = np.where(prompt > 0, cached / prompt, np.nan)
+            fig.add_trace(go.Scatter(x=centre, y=ratio, mode="lines", name=f"{ep} (cached_tokens)",
+                                     connectgaps=False))
+            has = True
+    eng = d.engine
+    if eng.num_rows:
+        e = eng.select(["t_ns", "endpoint", "metric", "value"]).to_pandas()
+        e = e[e["metric"].isin([M.PREFIX_HITS, M.PREFIX_QUERIES])]
+        for ep, rows_e in e.groupby("endpoint"):
+            piv = rows_e.pivot_table(index="t_ns", columns="metric", values="value",
+                                     aggfunc="sum").sort_index()
+            if M.PREFIX_HITS not in piv or M.PREFIX_QUERIES not in piv or len(piv) < 2:
+                continue
+            dh = piv[M.PREFIX_HITS].diff().clip(lower=0)
+            dq = piv[M.PREFIX_QUERIES].diff().clip(lower=0)
+            ratio = (dh / dq.where(dq > 0)).to_numpy()[1:]
+            first = f.loc[f["endpoint"] == ep, "t_sent_ns"].min() if (
+                f["endpoint"] == ep).any() else piv.index[0]
+            x = (piv.index.to_numpy()[1:] - first) / 1e9
+            fig.add_trace(go.Scatter(x=x, y=ratio, mode="lines", line=dict(dash="dot"),
+                                     name=f"{ep} (engine counters)"))
+            has = True
+    if not has:
+        return None
+    fig.update_xaxes(title_text="seconds since the endpoint's first request")
+    fig.update_yaxes(title_text="prefix hit ratio", range=[0, 1.05])
+    return _fig(fig, "hit_ratio_time", "Prefix-cache hit ratio over time")
+
+
+def gpu_timelines(d: ReportData) -> Figure | None:
+    g = d.gpu
+    if g.num_rows == 0:
+        return None
+    cols = ["t_ns", "endpoint", "role", "host", "gpu", "sm_active", "gpu_util_pct",
+            "hbm_used_bytes", "hbm_total_bytes"]
+    df = g.select(cols).to_pandas()
+    df["sm"] = df["sm_active"].where(df["sm_active"].notna(), df["gpu_util_pct"] / 100)
+    df["hbm"] = df["hbm_used_bytes"] / df["hbm_total_bytes"]
+    df["role"] = df["role"].fillna("unknown")
+    df["endpoint"] = df["endpoint"].fillna("")
+    t0 = df.groupby("endpoint")["t_ns"].transform("min")
+    df["t_s"] = (df["t_ns"] - t0) / 1e9
+    edges = _bin_edges(df["t_s"].to_numpy())
+    df["bin"] = np.clip(np.searchsorted(edges, df["t_s"].to_numpy(), side="right") - 1, 0,
+                        TIME_BINS - 1)
+    centre = (edges[1:] + edges[:-1]) / 2
+    agg = df.groupby(["endpoint", "role", "bin"])[["sm", "hbm"]].mean().reset_index()
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("SM active (fraction)", "HBM used (fraction)"))
+    palette = plotly.colors.qualitative.Plotly
+    for i, ((ep, role), rows) in enumerate(agg.groupby(["endpoint", "role"])):
+        name = f"{ep} {role}".strip()
+        line = dict(color=palette[i % len(palette)])
+        fig.add_trace(go.Scatter(x=centre[rows["bin"]], y=rows["sm"], mode="lines", name=name,
+                                 legendgroup=name, line=line), row=1, col=1)
+        fig.add_trace(go.Scatter(x=centre[rows["bin"]], y=rows["hbm"], mode="lines", name=name,
+                                 legendgroup=name, showlegend=False, line=line), row=2, col=1)
+    fig.update_yaxes(range=[0, 1.05])
+    fig.update_xaxes(title_text="seconds since the endpoint's first sample", row=2, col=1)
+    out = _fig(fig, "gpu_timelines", "GPU SM and HBM utilisation by GPU role")
+    out["layout"]["height"] = 520
+    return out
+
+
+def errors_over_time(d: ReportData) -> Figure | None:
+    f = d.frame
+    bad = ~f["ok"].to_numpy()
+    if not bad.any():
+        return None
+    t = _times_rel_s(f)
+    edges = _bin_edges(t)
+    centre = (edges[1:] + edges[:-1]) / 2
+    b = np.clip(np.searchsorted(edges, t[bad], side="right") - 1, 0, TIME_BINS - 1)
+    key = (f["endpoint"].astype(str).to_numpy()[bad] + " " + f["status"].astype(str).to_numpy()[
+        bad])
+    fig = go.Figure()
+    for k in np.unique(key):
+        counts = np.bincount(b[key == k], minlength=TIME_BINS)
+        fig.add_trace(go.Bar(x=centre, y=counts, name=str(k)))
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="seconds since the endpoint's first request")
+    fig.update_yaxes(title_text="failed requests per bin")
+    return _fig(fig, "errors_time", "Errors over time, by status")
+
+
+def all_figures(d: ReportData, stage_table: pd.DataFrame,
+                itl_cache: dict[str, np.ndarray]) -> list[Figure]:
+    try:
+        import endpoints.costmodel as costmodel  # written by the endpoints part; optional here
+
+        err = ""
+    except Exception as exc:  # ImportError, or a half-written module
+        costmodel, err = None, f"endpoints.costmodel unavailable ({type(exc).__name__})"
+    figs: list[Figure | None] = []
+    figs += cdfs(d, itl_cache)
+    figs += load_curves(d, stage_table)
+    figs.append(ttft_vs_prompt(d, costmodel, err))
+    figs.append(hit_ratio_over_time(d))
+    figs.append(gpu_timelines(d))
+    figs.append(errors_over_time(d))
+    return [x for x in figs if x is not None]
+
+
+def figure_keys(figs: Sequence[Figure]) -> list[str]:
+    return [f["key"] for f in figs]

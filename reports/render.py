@@ -1,0 +1,333 @@
+"""Render a comparison/bake-off report (one self-contained HTML file, or Markdown for CI logs).
+
+Everything the HTML needs is inlined (plotly.js once, styles, figure JSON), so it opens with no
+network now and in a year. Text from endpoints goes through Jinja autoescape; figure JSON is
+escaped so that no string inside it can close its <script> element.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from reports import metrics as M
+from reports.data import ReportData
+from reports.diagnose import Finding, diagnose
+
+SUMMARY_METRICS = ("throughput_rps", "goodput_rps", "slo_attainment", "output_tps", "input_tps",
+                   "ttft_p50", "ttft_p90", "ttft_p99", "ttft_p999", "ttft_mean", "tpot_p50",
+                   "tpot_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "lateness_p99",
+                   "error_rate", "hit_ratio")
+CI_METRICS = ("goodput_rps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p99",
+              "e2e_p99", "error_rate", "hit_ratio")
+GROUP_METRICS = ("throughput_rps", "goodput_rps", "slo_attainment", "ttft_p50", "ttft_p99",
+                 "tpot_p50", "itl_p99", "e2e_p99", "error_rate", "hit_ratio")
+REPORT_RESAMPLES = 1000
+REPORT_SEED = 0
+
+
+def fmt(x, unit: str = "") -> str:
+    from jinja2 import Undefined
+
+    if x is None or isinstance(x, Undefined):
+        return "–"
+    try:
+        xf = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(xf):
+        return "–"
+    if unit == "fraction":
+        return f"{100 * xf:.1f}%"
+    if unit == "count":
+        return f"{xf:,.0f}"
+    if abs(xf) >= 1000:
+        return f"{xf:,.0f}"
+    if abs(xf) >= 100:
+        return f"{xf:.1f}"
+    if abs(xf) >= 1:
+        return f"{xf:.2f}"
+    return f"{xf:.3g}"
+
+
+@dataclass
+class Cell:
+    text: str
+    value: float
+    best: bool = False
+    ci: str = ""
+
+
+def _best(values: Sequence[float], higher: bool) -> set[int]:
+    finite = [(i, v) for i, v in enumerate(values) if v is not None and not math.isnan(v)]
+    if len(finite) < 2:
+        return set()
+    target = max(v for _, v in finite) if higher else min(v for _, v in finite)
+    return {i for i, v in finite if v == target}
+
+
+def _row(label: str, unit: str, values: list[float], higher: bool | None,
+         cis: list[M.CI | None] | None = None, unit_fmt: str | None = None) -> dict:
+    best = _best(values, higher) if higher is not None else set()
+    cells = []
+    for i, v in enumerate(values):
+        ci = ""
+        if cis and cis[i] is not None and not math.isnan(cis[i].low):
+            ci = f"[{fmt(cis[i].low, unit_fmt or unit)}, {fmt(cis[i].high, unit_fmt or unit)}]"
+        cells.append(Cell(fmt(v, unit_fmt or unit), v, i in best, ci))
+    shown_unit = "" if unit in ("count", "fraction") else unit
+    return {"label": label, "unit": shown_unit, "cells": cells,
+            "better": "" if higher is None else ("higher" if higher else "lower")}
+
+
+def cost_per_m_output(d: ReportData, ep: str, output_tokens: float, wall_s: float) -> float:
+    """Endpoint GPU cost over its load-stage wall time, per million output tokens."""
+    entry = d.endpoints.get(ep) or {}
+    cost, gpus = entry.get("gpu_hour_cost"), entry.get("gpus") or 1
+    if cost is None or not output_tokens or not wall_s or math.isnan(wall_s):
+        return math.nan
+    return float(cost) * float(gpus) * wall_s / 3600.0 / (output_tokens / 1e6)
+
+
+def build_context(d: ReportData, title: str | None = None) -> dict:
+    f = d.frame
+    eps = d.endpoint_names
+    per_ep = {ep: f[f["endpoint"] == ep] for ep in eps}
+    itl_cache = {ep: M.itl_values(sub) for ep, sub in per_ep.items()}
+    values: dict[str, dict[str, float]] = {}
+    cis: dict[str, dict[str, M.CI]] = {}
+    for ep, sub in per_ep.items():
+        values[ep] = M.evaluate(sub, SUMMARY_METRICS)
+        cis[ep] = M.evaluate(sub, CI_METRICS, ci=True, resamples=REPORT_RESAMPLES,
+                             seed=REPORT_SEED)
+    engine_hits = M.engine_hit_ratio(d.engine)
+    walls = {ep: M.wall_s(sub) for ep, sub in per_ep.items()}
+    out_tokens = {ep: float(np.nansum(sub["completion_tokens"].to_numpy()[sub["ok"].to_numpy()]))
+                  for ep, sub in per_ep.items()}
+    costs = {ep: cost_per_m_output(d, ep, out_tokens[ep], walls[ep]) for ep in eps}
+
+    summary = [_row("requests", "count", [len(per_ep[ep]) for ep in eps], None)]
+    for name in SUMMARY_METRICS:
+        info = M.METRIC_INFO[name]
+        summary.append(_row(info.label, info.unit, [values[ep][name] for ep in eps],
+                            info.higher_is_better,
+                            [cis[ep].get(name) for ep in eps] if name in CI_METRICS else None))
+    if engine_hits:
+        summary.append(_row("prefix hit ratio (engine counters)", "fraction",
+                            [engine_hits.get(ep, math.nan) for ep in eps], True))
+    if any(not math.isnan(c) for c in costs.values()):
+        summary.append(_row("cost per million output tokens", "$", [costs[ep] for ep in eps],
+                            False))
+    summary.append(_row("stage wall time", "s", [walls[ep] for ep in eps], None))
+
+    by_class = _group_tables(f, "request_class")
+    stage_table = _stage_table(d)
+    by_stage = _table_rows(stage_table, ["endpoint", "workload", "stage", "offered"]) \
+        if not stage_table.empty else []
+    by_topology = _group_tables(f, "topology") if f["topology"].nunique() > 1 else []
+    by_bucket = _group_tables(f, "prompt_bucket", metrics=("ttft_p50", "ttft_p99",
+                                                           "tpot_p50", "hit_ratio"))
+    errors = M.error_breakdown(f[~f["ok"]], by=("endpoint",)) if (~f["ok"]).any() else None
+    error_rows = []
+    if errors is not None:
+        top_err = (f[~f["ok"]].groupby(["endpoint", "status", "error"], observed=True).size()
+                   .rename("n").reset_index().sort_values("n", ascending=False))
+        for _, r in errors.iterrows():
+            ex = top_err[(top_err["endpoint"] == r["endpoint"])
+                         & (top_err["status"] == r["status"])]
+            error_rows.append({"endpoint": r["endpoint"], "status": r["status"],
+                               "requests": f"{int(r['requests']):,}",
+                               "example": str(ex["error"].iloc[0]) if len(ex) else ""})
+
+    bake = {
+        "by_goodput": sorted(({"endpoint": ep, "value": values[ep]["goodput_rps"],
+                               "text": fmt(values[ep]["goodput_rps"]),
+                               "slo": fmt(values[ep]["slo_attainment"], "fraction")}
+                              for ep in eps), key=lambda r: -_nz(r["value"])),
+        "by_cost": sorted(({"endpoint": ep, "value": costs[ep], "text": fmt(costs[ep]),
+                            "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
+                            "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost")}
+                           for ep in eps if not math.isnan(costs[ep])),
+                          key=lambda r: r["value"]),
+    }
+    from reports.plots import all_figures
+
+    figures = all_figures(d, stage_table, itl_cache)
+    findings = diagnose(d)
+    first = d.runs[0] if d.runs else {}
+    return {
+        "title": title or "kvbench report: " + ", ".join(eps),
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "runs": [{"run_id": r.get("run_id"), "suite": r.get("suite"),
+                  "started": _iso(r.get("started_ns")), "ended": _iso(r.get("ended_ns")),
+                  "path": str(p)} for r, p in zip(d.runs, d.paths)],
+        "endpoints": [{"name": ep, "topology": (d.endpoints.get(ep) or {}).get("topology")
+                       or _mode(per_ep[ep]["topology"]),
+                       "model": (d.endpoints.get(ep) or {}).get("model"),
+                       "url": (d.endpoints.get(ep) or {}).get("url"),
+                       "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
+                       "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost")}
+                      for ep in eps],
+        "endpoint_names": eps,
+        "summary": summary,
+        "by_class": by_class,
+        "by_stage": by_stage,
+        "by_topology": by_topology,
+        "by_bucket": by_bucket,
+        "errors": error_rows,
+        "bake": bake,
+        "findings": findings,
+        "figures": figures,
+        "slo": d.slo,
+        "definitions": M.DEFINITIONS,
+        "config_json": json.dumps(first.get("config") or {}, indent=2, sort_keys=True,
+                                  default=str),
+        "versions": {k: v for r in d.runs for k, v in (r.get("versions") or {}).items()},
+        "git_commits": sorted({str(r.get("git_commit")) for r in d.runs if r.get("git_commit")}),
+        "hosts": sorted({str(h) for r in d.runs for h in (r.get("hosts") or [])}),
+        "telemetry": {k: v for r in d.runs for k, v in (r.get("telemetry") or {}).items()},
+        "incomplete": [dict(x, run_id=r.get("run_id")) for r in d.runs
+                       for x in (r.get("incomplete") or []) if isinstance(x, dict)],
+        "counts": {r.get("run_id"): r.get("counts") for r in d.runs if r.get("counts")},
+        "workloads": d.workloads,
+        "n_requests": len(f),
+    }
+
+
+def _nz(x: float) -> float:
+    return -math.inf if x is None or math.isnan(x) else x
+
+
+def _mode(s: pd.Series) -> str:
+    return str(s.astype(str).value_counts().index[0]) if len(s) else ""
+
+
+def _iso(ns) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(ns) / 1e9))
+    except (TypeError, ValueError):
+        return ""
+
+
+def _group_tables(f: pd.DataFrame, key: str,
+                  metrics: Sequence[str] = GROUP_METRICS) -> list[dict]:
+    t = M.summarise(f, by=[key, "endpoint"], metrics=metrics)
+    return _table_rows(t, [key, "endpoint"], mark_within=key)
+
+
+def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None) -> dict:
+    """Rows of a grouped table with each metric formatted and the best per group marked."""
+    metric_cols = [c for c in t.columns if c in M.METRIC_INFO]
+    best: dict[tuple, set] = {}
+    if mark_within is not None:
+        for _, grp in t.groupby(mark_within, sort=False, observed=True):
+            for c in metric_cols:
+                info = M.METRIC_INFO[c]
+                for i in _best(list(grp[c]), info.higher_is_better):
+                    best.setdefault((grp.index[i],), set()).add(c)
+    rows = []
+    for idx, r in t.iterrows():
+        cells = [Cell(fmt(r[c], M.METRIC_INFO[c].unit), r[c], c in best.get((idx,), set()))
+                 for c in metric_cols]
+        rows.append({"keys": [str(r[k]) if not (isinstance(r[k], float) and math.isnan(r[k]))
+                              else "–" for k in keys],
+                     "requests": f"{int(r['requests']):,}", "cells": cells})
+    return {"keys": keys, "metrics": [M.METRIC_INFO[c].label for c in metric_cols],
+            "rows": rows}
+
+
+def _stage_table(d: ReportData) -> pd.DataFrame:
+    f = d.frame
+    t = M.summarise(f, by=["endpoint", "workload", "stage"],
+                    metrics=("throughput_rps", "goodput_rps", "ttft_p50", "ttft_p99",
+                             "tpot_p50", "e2e_p99", "error_rate"))
+    if t.empty:
+        return t
+    offered, kind = [], set()
+    idx = {(str(s.get("endpoint")), str(s.get("workload")), int(s.get("index", -1))): s
+           for s in d.stages}
+    for _, r in t.iterrows():
+        s = idx.get((str(r["endpoint"]), str(r["workload"]), int(r["stage"])), {})
+        if s.get("rate_rps"):
+            offered.append(float(s["rate_rps"]))
+            kind.add("rate")
+        elif s.get("users"):
+            offered.append(float(s["users"]))
+            kind.add("users")
+        else:
+            offered.append(float(r["throughput_rps"]))
+            kind.add("measured")
+    t.insert(3, "offered", offered)
+    t.attrs["x_title"] = ("offered load (req/s)" if kind == {"rate"} else
+                          "concurrent users" if kind == {"users"} else
+                          "offered load (req/s, users, or measured req/s)")
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _env() -> Environment:
+    env = Environment(loader=PackageLoader("reports", "templates"),
+                      autoescape=select_autoescape(["html", "j2"], default=True),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["fmt"] = fmt
+    env.filters["script_json"] = script_json
+    return env
+
+
+def script_json(obj) -> str:
+    """JSON that is safe inside <script>: no '<', '>', '&' or line separators in the text."""
+    import plotly.utils
+
+    s = json.dumps(obj, cls=plotly.utils.PlotlyJSONEncoder, separators=(",", ":"))
+    return (s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def render_html(ctx: dict) -> str:
+    from markupsafe import Markup
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    if "</script" in js.lower():  # would end the inline element early
+        js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
+    figs = [{"key": f["key"], "title": f["title"], "note": f["note"],
+             "json": Markup(script_json({"data": f["data"], "layout": f["layout"]}))}
+            for f in ctx["figures"]]
+    tpl = _env().get_template("report.html.j2")
+    return tpl.render(**{**ctx, "figures": figs}, plotly_js=Markup(js))
+
+
+def md_escape(text) -> str:
+    s = str(text)
+    for ch in "\\`*_[]<>|":
+        s = s.replace(ch, "\\" + ch)
+    return s.replace("\n", " ")
+
+
+def render_md(ctx: dict) -> str:
+    env = Environment(loader=PackageLoader("reports", "templates"), autoescape=False,
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["md"] = md_escape
+    return env.get_template("report.md.j2").render(**ctx)
+
+
+def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
+           title: str | None = None) -> str:
+    from reports.data import load
+
+    d = load(paths, slo=slo)
+    ctx = build_context(d, title)
+    return render_html(ctx) if fmt_ == "html" else render_md(ctx)
+
+
+__all__ = ["render", "render_html", "render_md", "build_context", "Finding"]
