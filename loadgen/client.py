@@ -1,0 +1,431 @@
+"""The streaming HTTP/1.1 client: a lean reader on gevent sockets with per-read timestamps.
+
+Why not Locust's ``iter_lines``/``iter_content``: they buffer about 1 KB, which added about 60 ms
+to TTFT and lumped ITLs when measured (issue 4). Here the monotonic clock is read the moment a
+``recv`` returns, before any parsing; chunks that arrived in one read share its timestamp (they
+did arrive together). Connection setup is timed apart (``connect_ns``) and never inside TTFT.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import gevent
+from gevent import socket as gsocket
+
+from loadgen.openai import StreamState, error_message
+from loadgen.sse import SSEParser
+
+_mono = time.perf_counter_ns
+_epoch = time.time_ns
+RECV_BYTES = 262144
+ERROR_BODY_BYTES = 65536
+
+# Response headers of the built-in endpoints (ms floats) -> record columns (ns).
+SERVER_MS_HEADERS = {
+    b"x-kvbench-queue-ms": "server_queue_ns",
+    b"x-kvbench-prefill-ms": "server_prefill_ns",
+    b"x-kvbench-kv-transfer-ms": "server_kv_transfer_ns",
+    b"x-kvbench-first-decode-ms": "server_first_decode_ns",
+}
+
+
+class DeadlineExceeded(gevent.Timeout):
+    """The whole-request deadline (connect, prefill and the full stream) ran out."""
+
+
+class _Stale(Exception):
+    """A reused keep-alive connection was closed by the server before answering."""
+
+
+@dataclass(frozen=True)
+class Target:
+    scheme: str
+    host: str
+    port: int
+    base_path: str  # "" or "/prefix" (no trailing slash)
+
+    @classmethod
+    def parse(cls, url: str) -> "Target":
+        u = urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        port = u.port or (443 if u.scheme == "https" else 80)
+        return cls(u.scheme, u.hostname, port, u.path.rstrip("/"))
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        return self.host if self.port == default else f"{self.host}:{self.port}"
+
+
+class Connection:
+    __slots__ = ("sock", "uses")
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.uses = 0
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class ConnectionPool:
+    """Keep-alive connections to one target; ``acquire`` reports the setup time it paid."""
+
+    def __init__(self, target: Target, *, connect_timeout_s: float = 30.0,
+                 read_timeout_s: float = 600.0, verify_tls: bool = True,
+                 cold: bool = False) -> None:
+        self.target = target
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.cold = cold  # a fresh connection per request (charged to each request)
+        self.idle: list[Connection] = []
+        self._ssl = None
+        if target.scheme == "https":
+            from gevent import ssl as gssl
+
+            self._ssl = gssl.create_default_context()
+            if not verify_tls:
+                self._ssl.check_hostname = False
+                self._ssl.verify_mode = gssl.CERT_NONE
+
+    def open(self) -> Connection:
+        t = self.target
+        sock = gsocket.create_connection((t.host, t.port), timeout=self.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is not None:
+            sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
+        sock.settimeout(self.read_timeout_s)
+        return Connection(sock)
+
+    def acquire(self) -> tuple[Connection, int]:
+        if self.idle and not self.cold:
+            return self.idle.pop(), 0
+        t0 = _mono()
+        conn = self.open()
+        return conn, _mono() - t0
+
+    def release(self, conn: Connection) -> None:
+        if self.cold:
+            conn.close()
+        else:
+            self.idle.append(conn)
+
+    def warm(self, n: int) -> int:
+        """Open up to ``n`` idle connections now, before measurement; returns how many."""
+        if self.cold:
+            return 0
+        jobs = [gevent.spawn(self.open) for _ in range(max(0, n - len(self.idle)))]
+        gevent.joinall(jobs)
+        ok = [j.value for j in jobs if j.successful()]
+        self.idle.extend(ok)
+        return len(ok)
+
+    def close(self) -> None:
+        while self.idle:
+            self.idle.pop().close()
+
+
+class Result:
+    """One request's outcome, in record units (ns offsets from ``t_sent_ns``)."""
+
+    __slots__ = ("t_sent_ns", "t_sent_mono_ns", "connect_ns", "ttft_ns", "offsets_ns", "tokens", "e2e_ns",
+                 "status", "http_status", "error", "prompt_tokens", "completion_tokens",
+                 "completion_tokens_client", "cached_tokens", "text", "server_queue_ns",
+                 "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
+                 "server_replica", "server_region")
+
+    def __init__(self) -> None:
+        self.t_sent_ns = 0
+        self.t_sent_mono_ns = 0  # perf_counter_ns at the send (CLOCK_MONOTONIC on Linux)
+        self.connect_ns = 0
+        self.ttft_ns = None
+        self.offsets_ns: list[int] = []
+        self.tokens: list[int] = []
+        self.e2e_ns = None
+        self.status = "cancelled"
+        self.http_status = None
+        self.error = None
+        self.prompt_tokens = None
+        self.completion_tokens = None
+        self.completion_tokens_client = 0
+        self.cached_tokens = None
+        self.text = ""
+        self.server_queue_ns = None
+        self.server_prefill_ns = None
+        self.server_kv_transfer_ns = None
+        self.server_first_decode_ns = None
+        self.server_replica = None
+        self.server_region = None
+
+
+class ChunkedDecoder:
+    """Incremental HTTP/1.1 chunked transfer decoding (RFC 9112 section 7.1)."""
+
+    __slots__ = ("_buf", "_rem", "done")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._rem = 0  # >0: data bytes left; 0: want a size line; -1: want CRLF; -2: trailers
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._buf + data if self._buf else data
+        out = []
+        pos, n = 0, len(buf)
+        rem = self._rem
+        while pos < n:
+            if rem > 0:
+                take = rem if rem < n - pos else n - pos
+                out.append(buf[pos:pos + take])
+                pos += take
+                rem -= take
+                if rem == 0:
+                    rem = -1
+            elif rem == 0:
+                i = buf.find(b"\r\n", pos)
+                if i < 0:
+                    break
+                size = int(buf[pos:i].split(b";", 1)[0], 16)
+                pos = i + 2
+                rem = size if size else -2
+            elif rem == -1:
+                if n - pos < 2:
+                    break
+                pos += 2
+                rem = 0
+            else:  # trailer lines, then the empty line that ends the message
+                i = buf.find(b"\r\n", pos)
+                if i < 0:
+                    break
+                empty = i == pos
+                pos = i + 2
+                if empty:
+                    self.done = True
+                    break
+        self._rem = rem
+        self._buf = buf[pos:]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _header_block(head: bytes) -> tuple[int, dict[bytes, bytes]]:
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        raise ValueError(f"not an HTTP response: {lines[0][:60]!r}")
+    status = int(parts[1])
+    headers = {}
+    for ln in lines[1:]:
+        name, _, value = ln.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if parts[0] == b"HTTP/1.0" and headers.get(b"connection", b"").lower() != b"keep-alive":
+        headers[b"connection"] = b"close"
+    return status, headers
+
+
+class StreamingClient:
+    """Sends one streaming request at a time per call; share it between greenlets freely."""
+
+    def __init__(self, pool: ConnectionPool, *, headers: dict[str, str] | None = None,
+                 deadline_s: float = 600.0) -> None:
+        self.pool = pool
+        self.deadline_s = deadline_s
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._head_tail = (f"Host: {pool.target.host_header}\r\n"
+                           "Content-Type: application/json\r\n"
+                           "Accept: text/event-stream\r\n"
+                           "Accept-Encoding: identity\r\n"
+                           "User-Agent: kvbench-loadgen\r\n" + extra)
+
+    def post_stream(self, path: str, body: bytes, *, keep_text: bool = False,
+                    headers: dict[str, str] | None = None, res: Result | None = None) -> Result:
+        """POST ``body`` to ``path`` and read the SSE response to its end (or failure).
+
+        Never raises for request failures (they become the result's status); re-raises
+        ``GreenletExit`` after marking ``res`` (pass your own) cancelled so the caller can
+        still record it.
+        """
+        res = Result() if res is None else res
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+        head = (f"POST {self.pool.target.base_path}{path} HTTP/1.1\r\n{self._head_tail}{extra}"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        payload = head + body
+        timer = DeadlineExceeded.start_new(self.deadline_s)
+        conn = None
+        try:
+            conn, res.connect_ns = self.pool.acquire()
+            try:
+                conn = self._exchange(conn, payload, res, keep_text)
+            except _Stale:
+                conn.close()
+                t0 = _mono()
+                conn = self.pool.open()
+                res.connect_ns += _mono() - t0
+                conn = self._exchange(conn, payload, res, keep_text)
+        except DeadlineExceeded as exc:
+            if exc is not timer:
+                raise
+            res.status, res.error = "timeout", f"no complete response within {self.deadline_s:g} s"
+            conn = _drop(conn)
+        except (socket.timeout, TimeoutError):
+            res.status = "timeout"
+            res.error = f"no bytes for {self.pool.read_timeout_s:g} s (socket timeout)"
+            conn = _drop(conn)
+        except (OSError, EOFError) as exc:
+            res.status = "disconnected"
+            res.error = f"{type(exc).__name__}: {exc}"[:200]
+            conn = _drop(conn)
+        except ValueError as exc:  # a malformed HTTP response
+            res.status, res.error = "protocol_error", str(exc)[:200]
+            conn = _drop(conn)
+        except BaseException:  # GreenletExit and friends: the caller records "cancelled"
+            res.status, res.error = "cancelled", "stopped before the response ended"
+            _drop(conn)
+            _partial(res)
+            raise
+        finally:
+            timer.close()
+        _partial(res)
+        if conn is not None:
+            self.pool.release(conn)
+        return res
+
+    def _exchange(self, conn: Connection, payload: bytes, res: Result,
+                  keep_text: bool) -> Connection | None:
+        """One request/response on ``conn``; returns the connection if it can be reused."""
+        sock = conn.sock
+        reused = conn.uses > 0
+        conn.uses += 1
+        res.t_sent_ns = _epoch()
+        t0 = res.t_sent_mono_ns = _mono()
+        try:
+            sock.sendall(payload)
+        except OSError:
+            if reused:
+                raise _Stale() from None
+            raise
+        recv = sock.recv
+        buf = b""
+        while True:  # status line and headers
+            try:
+                data = recv(RECV_BYTES)
+            except ConnectionResetError:
+                if reused and not buf:
+                    raise _Stale() from None
+                raise
+            t = _mono()
+            if not data:
+                if reused and not buf:
+                    raise _Stale()
+                raise EOFError("connection closed before the response headers")
+            buf += data
+            i = buf.find(b"\r\n\r\n")
+            if i < 0:
+                continue
+            status, headers = _header_block(buf[:i])
+            rest = buf[i + 4:]
+            if 100 <= status < 200:  # interim response; the real one follows
+                buf = rest
+                continue
+            break
+        res.http_status = status
+        for name, col in SERVER_MS_HEADERS.items():
+            v = headers.get(name)
+            if v is not None:
+                try:
+                    setattr(res, col, int(float(v) * 1e6))
+                except ValueError:
+                    pass
+        if b"x-kvbench-replica" in headers:
+            res.server_replica = headers[b"x-kvbench-replica"].decode("latin-1")
+        if b"x-kvbench-region" in headers:
+            res.server_region = headers[b"x-kvbench-region"].decode("latin-1")
+
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        length = None if chunked else headers.get(b"content-length")
+        left = int(length) if length is not None else -1  # -1: body ends at close
+        keep = headers.get(b"connection", b"").lower() != b"close" and (chunked or left >= 0)
+        dechunk = ChunkedDecoder() if chunked else None
+        ctype = headers.get(b"content-type", b"").lower()
+        streaming = status == 200 and b"text/event-stream" in ctype
+        parser = SSEParser()
+        state = StreamState(t0, keep_text)
+        res.offsets_ns, res.tokens = state.offsets_ns, state.tokens  # kept if it fails midway
+        errbody = []
+        complete = False
+        data = rest
+        while True:
+            if data:
+                if dechunk is not None:
+                    body = dechunk.feed(data)
+                    complete = dechunk.done
+                elif left >= 0:
+                    body = data[:left]
+                    left -= len(body)
+                    complete = left == 0
+                else:
+                    body = data
+                if body:
+                    if streaming:
+                        evs = parser.feed(body)
+                        if evs:
+                            state.on_events(evs, t)
+                    elif sum(map(len, errbody)) < ERROR_BODY_BYTES:
+                        errbody.append(body)
+            elif left == 0 and dechunk is None:
+                complete = True
+            if complete:
+                break
+            data = recv(RECV_BYTES)
+            t = _mono()
+            if not data:
+                complete = left < 0 and dechunk is None  # read-until-close body
+                keep = False
+                break
+        res.e2e_ns = t - t0
+        if streaming:
+            tail = parser.finish()
+            if tail:
+                state.on_events(tail, t)
+            res.status, res.error = state.settle(complete)
+            res.offsets_ns = state.offsets_ns
+            res.tokens = state.tokens
+            if state.offsets_ns:
+                res.ttft_ns = state.offsets_ns[0]
+            res.prompt_tokens = state.prompt_tokens
+            res.completion_tokens_client = len(state.tokens)
+            res.completion_tokens = (state.completion_tokens if state.completion_tokens
+                                     is not None else len(state.tokens))
+            res.cached_tokens = state.cached_tokens
+            if keep_text:
+                res.text = state.text
+        elif status != 200:
+            res.status = "http_error"
+            res.error = f"HTTP {status}: {error_message(b''.join(errbody))}"[:300]
+        else:
+            res.status = "protocol_error"
+            res.error = (f"answered {ctype.decode('latin-1') or 'without a content type'} "
+                         "instead of an event stream")
+        if not (keep and complete):
+            conn.close()
+            return None
+        return conn
+
+
+def _partial(res: Result) -> None:
+    if res.ttft_ns is None and res.offsets_ns:
+        res.ttft_ns = res.offsets_ns[0]
+        res.completion_tokens_client = len(res.tokens)
+
+
+def _drop(conn: Connection | None) -> None:
+    if conn is not None:
+        conn.close()
+    return None

@@ -1,0 +1,187 @@
+"""Arrival pacing. Open loop: one dispatcher per process starts requests at scheduled times
+regardless of responses. Closed loop: Locust users, one session each (see locust_support).
+
+Poisson means exponential gaps drawn one by one and never rescaled to fit a duration (a
+rescaled sequence is no longer a Poisson process). Gamma gaps have mean ``1/rate`` and the given
+coefficient of variation (cv > 1: burstier than Poisson). A stage boundary restarts the draw at
+the new rate (memoryless for Poisson).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+PACINGS = ("closed", "poisson", "gamma", "constant", "trace")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    duration_s: float
+    rate_rps: float | None = None  # open loop, for the whole run (all processes)
+    users: int | None = None  # closed loop
+
+
+def gaps_s(pacing: str, rate_rps: float, rng: np.random.Generator, cv: float = 2.0,
+           block: int = 1024) -> Iterator[float]:
+    """Endless inter-arrival gaps in seconds for one process sending at ``rate_rps``."""
+    if rate_rps <= 0:
+        raise ValueError("rate_rps must be positive")
+    mean = 1.0 / rate_rps
+    if pacing == "constant":
+        yield from itertools.repeat(mean)
+    elif pacing == "poisson":
+        while True:
+            yield from rng.exponential(mean, block).tolist()
+    elif pacing == "gamma":
+        shape = 1.0 / (cv * cv)  # cv of a gamma distribution is 1/sqrt(shape)
+        while True:
+            yield from rng.gamma(shape, mean / shape, block).tolist()
+    else:
+        raise ValueError(f"pacing {pacing!r} has no rate-driven gaps")
+
+
+def shard(items: Iterable, index: int, count: int) -> Iterator:
+    """Every ``count``-th item starting at ``index`` (one worker's share of a workload)."""
+    return itertools.islice(items, index, None, count) if count > 1 else iter(items)
+
+
+def cycle_requests(make: Callable[[], Iterable], index: int = 0, count: int = 1) -> Iterator:
+    """The workload's requests (this worker's share), again and again; later passes get
+    ``#pass`` appended to request and session ids so records stay distinct."""
+    for n in itertools.count():
+        empty = True
+        for req in shard(make(), index, count):
+            empty = False
+            if n:
+                req = replace(req, request_id=f"{req.request_id}#{n}",
+                              session_id=f"{req.session_id}#{n}")
+            yield req
+        if empty:
+            return
+
+
+class OpenLoopDispatcher:
+    """Starts ``send(request, t_scheduled_epoch_ns, stage_index)`` greenlets on schedule.
+
+    ``share`` is this process's fraction of the configured rate (1/processes). Arrivals that
+    find ``max_in_flight`` requests running are dropped and counted in ``dropped_at_cap``.
+    """
+
+    def __init__(self, send: Callable, requests: Iterator, stages: list[StagePlan], *,
+                 pacing: str = "poisson", cv: float = 2.0, max_in_flight: int = 512,
+                 seed: int = 0, share: float = 1.0,
+                 on_stage: Callable[[StagePlan, int, int], None] | None = None) -> None:
+        self.send = send
+        self.requests = requests
+        self.stages = stages
+        self.pacing = pacing
+        self.cv = cv
+        self.max_in_flight = max_in_flight
+        self.rng = np.random.default_rng(seed)
+        self.share = share
+        self.on_stage = on_stage
+        self.in_flight = 0
+        self.dropped_at_cap = 0
+        self.started = 0
+        self.lag_ns: list[int] = []  # start lateness of each launched arrival
+        self.exhausted = False
+        self.group = None  # gevent Group of the requests in flight
+
+    def run(self) -> None:
+        import gevent
+        from gevent.pool import Group
+
+        self.group = group = Group()
+
+        mono, epoch = time.perf_counter_ns, time.time_ns
+        offset = epoch() - mono()  # epoch = mono + offset, fixed for the run
+        t = mono()
+        for st in self.stages:
+            t_start = t
+            t_end = t_start + int(st.duration_s * 1e9)
+            if self.pacing == "trace":
+                arrivals = self._trace_times(t_start, t_end)
+            else:
+                rate = (st.rate_rps or 0) * self.share
+                arrivals = self._rate_times(rate, t_start, t_end)
+            for t_sched, req in arrivals:
+                delay = (t_sched - mono()) / 1e9
+                if delay > 0:
+                    gevent.sleep(delay)
+                if self.in_flight >= self.max_in_flight:
+                    self.dropped_at_cap += 1
+                    continue
+                if req is None:
+                    req = next(self.requests, None)
+                    if req is None:
+                        self.exhausted = True
+                        break
+                self.lag_ns.append(mono() - t_sched)
+                self.in_flight += 1
+                self.started += 1
+                group.spawn(self._one, req, t_sched + offset, st.index)
+            now = mono()
+            if now < t_end and not self.exhausted:
+                gevent.sleep((t_end - now) / 1e9)
+            t = max(t_end, mono()) if self.pacing != "trace" else mono()
+            if self.on_stage is not None:
+                self.on_stage(st, t_start + offset, t + offset)
+            if self.exhausted:
+                break
+
+    def _rate_times(self, rate: float, t_start: int, t_end: int) -> Iterator[int]:
+        if rate <= 0:
+            return
+        t = float(t_start)
+        for gap in gaps_s(self.pacing, rate, self.rng, self.cv):
+            t += gap * 1e9
+            if t >= t_end:
+                return
+            yield int(t), None
+
+    def _trace_times(self, t_start: int, t_end: int) -> Iterator[tuple]:
+        """Trace arrivals: the requests' own ``arrival_offset_s`` from the stage start."""
+        for req in self.requests:
+            t = t_start + int((req.arrival_offset_s or 0.0) * 1e9)
+            if t >= t_end:
+                return
+            yield t, req
+        self.exhausted = True
+
+    def _one(self, req, t_sched_epoch: int, stage: int) -> None:
+        try:
+            self.send(req, t_sched_epoch, stage)
+        finally:
+            self.in_flight -= 1
+
+    def cancel(self, timeout_s: float = 5.0) -> None:
+        """Stop the requests in flight (each still records itself, as cancelled)."""
+        if self.group is not None:
+            self.group.kill(block=True, timeout=timeout_s)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait for in-flight requests to end (at most ``timeout_s``)."""
+        import gevent
+
+        end = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < end:
+            gevent.sleep(0.01)
+        return self.in_flight == 0
+
+
+def summarize_gaps(t_sched_ns: list[int]) -> dict:
+    """Achieved rate and inter-arrival CV of a list of start times (for the bench)."""
+    if len(t_sched_ns) < 3:
+        return {"rate_rps": math.nan, "cv": math.nan}
+    t = np.sort(np.asarray(t_sched_ns, dtype=np.int64))
+    g = np.diff(t) / 1e9
+    span = (t[-1] - t[0]) / 1e9
+    return {"rate_rps": (len(t) - 1) / span if span > 0 else math.nan,
+            "cv": float(g.std() / g.mean()) if g.mean() > 0 else math.nan}
