@@ -105,6 +105,10 @@ class FakeNvml:
             raise NVMLError(_real.NVML_ERROR_INVALID_ARGUMENT)
         return i
 
+    def nvmlDeviceGetName(self, h):
+        self._enter("nvmlDeviceGetName", h)
+        return f"FAKE GPU {h}"
+
     def nvmlDeviceGetUtilizationRates(self, h):
         g = self._enter("nvmlDeviceGetUtilizationRates", h)
         return SimpleNamespace(gpu=g.util_pct, memory=g.mem_util_pct)
