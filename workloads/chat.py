@@ -1,0 +1,46 @@
+"""Chat: short single-turn prompts with lognormal prompt and output lengths (ShareGPT-like).
+
+``prompt_tokens`` is the sampled length of the whole rendered prompt (template included) when
+that length exceeds the template's own tokens; each prompt's text starts differently, so two
+unrelated prompts share only the template's opening tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from workloads.base import Request, SingleTurnSession
+from workloads.common import GeneratedWorkload, rng_for, sample
+from workloads.prompt import Assembler, Piece
+from workloads.specs import ChatSpec
+
+
+class ChatWorkload(GeneratedWorkload):
+    request_class = "chat"
+
+    def __init__(self, name: str, spec: ChatSpec, tokenizer, seed: int,
+                 n_requests: int | None = None):
+        super().__init__(name, spec, tokenizer, seed)
+        self.n_requests = n_requests or spec.requests
+        self.asm = Assembler(tokenizer, spec.api)
+        self.template_tokens = self.asm.overhead(["user"])
+
+    def build_requests(self) -> Iterator[Request]:
+        n = self.n_requests
+        lens = sample(self.spec.prompt_tokens, rng_for(self.seed, self.name, "prompt"), n)
+        outs = sample(self.spec.output_tokens, rng_for(self.seed, self.name, "output"), n)
+        over = self.template_tokens
+        for i in range(n):
+            body = max(int(lens[i]) - over, 1)
+            text = self.text.segment(f"{self.name}/prompt{i}", body)
+            messages, prompt, total, _ = self.asm.build([("user", [Piece(text, body)])])
+            rid = f"{self.name}-{i:06d}"
+            yield Request(request_id=rid, request_class="chat", max_tokens=int(outs[i]),
+                          prompt_tokens=total, shared_prefix_tokens=0, session_id=rid,
+                          prompt=prompt, messages=messages, workload=self.name)
+
+    def sessions(self):
+        return (SingleTurnSession(r) for r in self.build_requests())
+
+    def requests(self):
+        return self.build_requests()

@@ -1,0 +1,127 @@
+"""Replay of real serving traces: Mooncake JSONL, Azure 2023 CSV, LMCache agent sessions.
+
+Every reader streams its file once into compact columns (no prompt text is built while
+reading); prompt text is built lazily per request. A malformed line is a ``UserError`` naming
+``file:line`` (or, with ``skip_bad_lines``, counted in ``skipped_lines``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from kvbench.errors import UserError
+from workloads.base import Request, SingleTurnSession
+from workloads.common import GeneratedWorkload, rng_for
+from workloads.prompt import Assembler
+from workloads.specs import TraceSpec
+
+FORMATS = ("mooncake", "azure", "lmcache_agent")
+
+
+def traces_dir() -> Path:
+    """Where the real public traces live: ``$KVBENCH_TRACES`` or ``../shared/traces`` from
+    the repository root (absent on most machines)."""
+    env = os.environ.get("KVBENCH_TRACES")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+
+
+def guess_format(path: Path) -> str:
+    """The trace format from the path: a directory is LMCache agent sessions, ``.csv`` is
+    Azure, ``.jsonl`` is Mooncake unless its first record has an ``input`` text."""
+    if path.is_dir():
+        return "lmcache_agent"
+    if path.suffix.lower() == ".csv":
+        return "azure"
+    try:
+        with path.open("rb") as fh:
+            first = fh.readline()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the trace ({exc.strerror}); check the path") \
+            from None
+    return "lmcache_agent" if b'"input"' in first else "mooncake"
+
+
+class BadLines:
+    """Collects malformed lines: raises at the first one unless skipping."""
+
+    def __init__(self, path: Path, skip: bool):
+        self.path = path
+        self.skip = skip
+        self.count = 0
+        self.first: str | None = None
+
+    def __call__(self, line_no: int, what: str) -> None:
+        if not self.skip:
+            raise UserError(f"{self.path}:{line_no}: {what}; fix the line or set "
+                            "skip_bad_lines = true to skip such lines")
+        self.count += 1
+        if self.first is None:
+            self.first = f"{self.path}:{line_no}: {what}"
+
+
+class TraceWorkload(GeneratedWorkload):
+    """Base of the readers: requests carry ``arrival_offset_s`` (trace time / speedup, plus
+    the seeded uniform ``jitter_s``), sorted by it."""
+
+    request_class = "trace"
+    has_arrivals = True
+
+    def __init__(self, name: str, spec: TraceSpec, tokenizer, seed: int):
+        super().__init__(name, spec, tokenizer, seed)
+        self.path = Path(spec.path)
+        if not self.path.exists():
+            raise UserError(f"workloads.{name}.path: {self.path} does not exist; give the path "
+                            f"of a {spec.format} trace")
+        self.asm = Assembler(tokenizer, spec.api)
+        self.skipped_lines = 0
+        self.skipped_records = 0
+        self.notes: list[str] = []
+
+    def _arrivals(self, trace_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Offsets in seconds and the send order (stable sort by offset)."""
+        t = np.asarray(trace_s, dtype=float)
+        if self.spec.jitter_s > 0 and len(t):
+            t = t + rng_for(self.seed, self.name, "jitter").uniform(0, self.spec.jitter_s,
+                                                                      len(t))
+        t = t / self.spec.speedup
+        order = np.argsort(t, kind="stable")
+        return t, order
+
+    def _max_tokens(self, n: int) -> int:
+        m = self.spec.max_output_tokens
+        return max(1, n if m is None else min(n, m))
+
+    def _note_bad(self, bad: BadLines) -> None:
+        self.skipped_lines = bad.count
+        if bad.count:
+            self.notes.append(f"skipped {bad.count} malformed line(s) of {bad.path}, "
+                              f"the first: {bad.first}")
+
+    def build_request(self, i: int) -> Request:  # pragma: no cover - per reader
+        raise NotImplementedError
+
+    def requests(self) -> Iterator[Request]:
+        return (self.build_request(int(i)) for i in self.order)
+
+    def sessions(self):
+        return (SingleTurnSession(r) for r in self.requests())
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def open_trace(name: str, spec: TraceSpec, tokenizer, seed: int) -> TraceWorkload:
+    if spec.format == "mooncake":
+        from workloads.traces.mooncake import MooncakeTrace
+        return MooncakeTrace(name, spec, tokenizer, seed)
+    if spec.format == "azure":
+        from workloads.traces.azure import AzureTrace
+        return AzureTrace(name, spec, tokenizer, seed)
+    from workloads.traces.lmcache_agent import LMCacheAgentTrace
+    return LMCacheAgentTrace(name, spec, tokenizer, seed)
