@@ -108,3 +108,27 @@ def test_non_loopback_without_token_is_refused():
     assert out.returncode == 2
     assert out.stderr.strip().startswith("kvbench: error: kvbench collect: refusing to listen")
     assert "Traceback" not in out.stderr
+
+
+def test_kvbench_collect_cli_serves_and_stops_on_sigterm():
+    import os
+    import signal
+
+    env = {**os.environ, "KVBENCH_AGENT_TOKEN": "cli-token"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench", "collect", "--listen",
+                             "127.0.0.1:0", "--interval-s", "0.05"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("kvbench collect: listening on http://127.0.0.1:"), line
+        assert "bearer token required" in line
+        url = line.split(" on ")[1].split(" ")[0]
+        p = AgentPuller(url, emit=lambda b: None, token="cli-token", log=lambda m: None)
+        assert p.pull_once(), p.last_error
+        assert p.agent_status["host"] == p.host
+        status = p.agent_status["nvml"]
+        assert ("nvml: " + status) in line  # "ok" on a GPU host, the reason elsewhere
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(10)
+    assert rc == 0
