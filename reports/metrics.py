@@ -450,7 +450,7 @@ def statistic(frame: pd.DataFrame, name: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# bootstrap
+# bootstrap: every path yields replicates; intervals are their percentiles
 
 
 class CI(NamedTuple):
@@ -459,27 +459,40 @@ class CI(NamedTuple):
     high: float
 
 
-def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
-                       confidence: float = 0.95, seed: int = 0) -> CI:
-    """Bootstrap CI of the q-quantile, drawn exactly and in O(resamples) after one sort.
+def interval(estimate: float, replicates: np.ndarray, confidence: float = 0.95) -> CI:
+    """Percentile interval of bootstrap replicates (NaN replicates dropped)."""
+    reps = np.asarray(replicates, np.float64)
+    reps = reps[~np.isnan(reps)]
+    if len(reps) == 0:
+        return CI(estimate, math.nan, math.nan)
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a])
+    return CI(estimate, float(lo), float(hi))
+
+
+def _clean(values) -> np.ndarray:
+    v = np.asarray(values, np.float64)
+    return v[~np.isnan(v)]
+
+
+def quantile_replicates(values: np.ndarray, q: float, resamples: int,
+                        rng: np.random.Generator) -> tuple[float, np.ndarray]:
+    """Bootstrap replicates of the q-quantile, drawn exactly in O(n + resamples).
 
     The k-th order statistic of n draws with replacement from the sorted sample is
     sorted[floor(n * U_(k))] with U_(k) ~ Beta(k, n - k + 1); U_(k+1) is U_(k) plus the minimum
     of n - k uniforms on the rest, so both neighbours of the interpolated quantile are drawn
     jointly. Same distribution as resampling indices, without materialising n x B indices."""
-    v = np.asarray(values, np.float64)
-    v = v[~np.isnan(v)]
+    v = _clean(values)
     n = len(v)
     if n == 0:
-        return CI(math.nan, math.nan, math.nan)
-    rng = np.random.default_rng(seed)
+        return math.nan, np.full(resamples, np.nan)
+    if n == 1:
+        return float(v[0]), np.full(resamples, float(v[0]))
     h = (n - 1) * q  # numpy 'linear': between order statistics floor(h) and floor(h)+1 (0-based)
     lo_i = int(math.floor(h))
     frac = h - lo_i
     k = lo_i + 1  # 1-based rank
-    if n == 1:
-        est = float(v[0])
-        return CI(est, est, est)
     u_k = rng.beta(k, n - k + 1, size=resamples)
     idx_k = np.minimum((u_k * n).astype(np.int64), n - 1)
     use_next = frac > 0 and k < n
@@ -497,43 +510,20 @@ def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
     reps = part[idx_k]
     if use_next:
         reps = reps + frac * (part[idx_next] - part[idx_k])
-    a = (1 - confidence) / 2
-    lo, hi = np.quantile(reps, [a, 1 - a])
-    return CI(est, float(lo), float(hi))
+    return est, reps
 
 
-def index_bootstrap(frame: pd.DataFrame, fn: Callable[[pd.DataFrame], float],
-                    resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> CI:
-    """Generic bootstrap: resample requests with replacement, recompute ``fn``."""
-    n = len(frame)
-    est = fn(frame)
-    if n == 0:
-        return CI(est, math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    reps = np.empty(resamples)
-    for b in range(resamples):
-        reps[b] = fn(frame.iloc[rng.integers(0, n, n)])
-    reps = reps[~np.isnan(reps)]
-    if len(reps) == 0:
-        return CI(est, math.nan, math.nan)
-    a = (1 - confidence) / 2
-    lo, hi = np.quantile(reps, [a, 1 - a])
-    return CI(est, float(lo), float(hi))
-
-
-def mean_bootstrap(values: np.ndarray, resamples: int = 1000, confidence: float = 0.95,
-                   seed: int = 0, max_rows: int = 100_000) -> CI:
-    """Vectorised bootstrap CI of the mean (blocks of resamples as one index matrix).
+def mean_replicates(values: np.ndarray, resamples: int, rng: np.random.Generator,
+                    max_rows: int = 100_000) -> tuple[float, np.ndarray]:
+    """Vectorised bootstrap replicates of the mean (blocks of resamples as one index matrix).
 
     Above ``max_rows`` it bootstraps a seeded subsample of ``max_rows`` and rescales the spread
     by sqrt(m / n) (m-out-of-n bootstrap; valid for the mean, which is root-n consistent)."""
-    v = np.asarray(values, np.float64)
-    v = v[~np.isnan(v)]
+    v = _clean(values)
     n = len(v)
     if n == 0:
-        return CI(math.nan, math.nan, math.nan)
+        return math.nan, np.full(resamples, np.nan)
     est = float(v.mean())
-    rng = np.random.default_rng(seed)
     m = min(n, max_rows)
     sample = v if m == n else v[rng.choice(n, m, replace=False)]
     reps = np.empty(resamples)
@@ -541,78 +531,106 @@ def mean_bootstrap(values: np.ndarray, resamples: int = 1000, confidence: float 
     for s in range(0, resamples, block):
         e = min(s + block, resamples)
         reps[s:e] = sample[rng.integers(0, m, (e - s, m))].mean(axis=1)
-    scale = math.sqrt(m / n)
-    centre = sample.mean()
-    a = (1 - confidence) / 2
-    lo, hi = np.quantile(reps, [a, 1 - a])
-    return CI(est, float(est + (lo - centre) * scale), float(est + (hi - centre) * scale))
+    return est, est + (reps - sample.mean()) * math.sqrt(m / n)
 
 
-def bootstrap(frame: pd.DataFrame, name: str, resamples: int = 1000, confidence: float = 0.95,
-              seed: int = 0) -> CI:
-    """Seeded bootstrap CI of metric ``name``: exact order-statistic draws for quantiles,
-    vectorised resampling for means, request resampling for rates and ratios."""
-    m = METRIC_INFO[metric_name(name)]
-    if m.column is not None:
-        values = itl_values(frame) if m.column == "itl_ms" else frame[m.column].to_numpy()
-        if m.q is not None:
-            return quantile_bootstrap(values, m.q, resamples, confidence, seed)
-        return mean_bootstrap(values, resamples, confidence, seed)
-    return _rate_bootstrap(frame, m, resamples, confidence, seed)
+def ratio_replicates(num: np.ndarray, den: np.ndarray, resamples: int,
+                     rng: np.random.Generator, max_rows: int = 100_000
+                     ) -> tuple[float, np.ndarray]:
+    """Replicates of sum(num) / sum(den) over resampled rows (m-out-of-n above ``max_rows``)."""
+    n = len(num)
+    if n == 0 or den.sum() <= 0:
+        return math.nan, np.full(resamples, np.nan)
+    est = float(num.sum() / den.sum())
+    m = min(n, max_rows)
+    if m < n:
+        pick = rng.choice(n, m, replace=False)
+        num, den = num[pick], den[pick]
+    centre = num.sum() / den.sum() if den.sum() > 0 else est
+    reps = np.empty(resamples)
+    block = max(1, 4_000_000 // m)
+    for s in range(0, resamples, block):
+        e = min(s + block, resamples)
+        idx = rng.integers(0, m, (e - s, m))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            reps[s:e] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+    return est, est + (reps - centre) * math.sqrt(m / n)
 
 
-def _rate_bootstrap(frame: pd.DataFrame, m: Metric, resamples: int, confidence: float,
-                    seed: int, max_rows: int = 100_000) -> CI:
+def index_replicates(frame: pd.DataFrame, fn: Callable[[pd.DataFrame], float], resamples: int,
+                     rng: np.random.Generator) -> tuple[float, np.ndarray]:
+    """Generic (slow) bootstrap: resample requests with replacement, recompute ``fn``."""
+    n = len(frame)
+    est = fn(frame)
+    if n == 0:
+        return est, np.full(resamples, np.nan)
+    return est, np.array([fn(frame.iloc[rng.integers(0, n, n)]) for _ in range(resamples)])
+
+
+def _rate_replicates(frame: pd.DataFrame, m: Metric, resamples: int,
+                     rng: np.random.Generator) -> tuple[float, np.ndarray]:
     """Rates and ratios are sums over requests, resampled with the stage wall time fixed.
 
-    Counts of a yes/no per request resample exactly as Binomial(n, k/n) (O(resamples)); token
-    sums and the hit ratio resample a seeded subsample of at most ``max_rows`` requests and
-    rescale the spread by sqrt(m / n), as ``mean_bootstrap`` does."""
+    A count of a yes/no per request resamples exactly as Binomial(n, k/n) (O(resamples));
+    token sums and the hit ratio use ``mean_replicates``/``ratio_replicates``."""
     est = m.fn(frame)
     n = len(frame)
     if n == 0 or est != est:
-        return CI(est, math.nan, math.nan)
+        return est, np.full(resamples, np.nan)
     ok = frame["ok"].to_numpy()
-    rng = np.random.default_rng(seed)
-    a = (1 - confidence) / 2
     w = wall_s(frame)
     flags = {"throughput_rps": np.ones(n, bool), "goodput_rps": frame["slo_met"].to_numpy(),
              "error_rate": ~ok, "slo_attainment": frame["slo_met"].to_numpy()}
     if m.name in flags:
         k = int(flags[m.name].sum())
         draws = rng.binomial(n, k / n, size=resamples).astype(np.float64)
-        reps = draws / w if m.name.endswith("_rps") else draws / n
-        lo, hi = np.quantile(reps, [a, 1 - a])
-        return CI(est, float(lo), float(hi))
+        return est, draws / w if m.name.endswith("_rps") else draws / n
     if m.name in ("input_tps", "output_tps"):
         col = "prompt_tokens" if m.name == "input_tps" else "completion_tokens"
         per_row = np.where(ok, np.nan_to_num(frame[col].to_numpy()), 0.0)
-        ci = mean_bootstrap(per_row, resamples, confidence, seed, max_rows)
-        return CI(est, ci.low * n / w, ci.high * n / w)
+        _, reps = mean_replicates(per_row, resamples, rng)
+        return est, reps * n / w
     if m.name == "hit_ratio":
         c = frame["cached_tokens"].to_numpy()
         p = frame["prompt_tokens"].to_numpy()
         rows = ok & ~np.isnan(c) & ~np.isnan(p)
-        num, den = c[rows], p[rows]
-        nr = len(num)
-        mm = min(nr, max_rows)
-        pick = np.arange(nr) if mm == nr else rng.choice(nr, mm, replace=False)
-        num, den = num[pick], den[pick]
-        centre = num.sum() / den.sum() if den.sum() > 0 else math.nan
-        reps = np.empty(resamples)
-        block = max(1, 4_000_000 // max(mm, 1))
-        for s in range(0, resamples, block):
-            e = min(s + block, resamples)
-            idx = rng.integers(0, mm, (e - s, mm))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                reps[s:e] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
-        reps = reps[~np.isnan(reps)]
-        if len(reps) == 0:
-            return CI(est, math.nan, math.nan)
-        lo, hi = np.quantile(reps, [a, 1 - a])
-        scale = math.sqrt(mm / nr)
-        return CI(est, float(est + (lo - centre) * scale), float(est + (hi - centre) * scale))
-    return index_bootstrap(frame, m.fn, resamples, confidence, seed)
+        _, reps = ratio_replicates(c[rows], p[rows], resamples, rng)
+        return est, reps
+    return index_replicates(frame, m.fn, resamples, rng)
+
+
+def bootstrap_replicates(frame: pd.DataFrame, name: str, resamples: int = 1000,
+                         seed: int = 0) -> tuple[float, np.ndarray]:
+    """(estimate, seeded bootstrap replicates) of metric ``name`` over the requests of
+    ``frame``: exact order-statistic draws for quantiles, vectorised resampling for means,
+    binomial draws for counts. ITL quantiles treat pooled gaps as independent (narrower than
+    a per-request resampling would give)."""
+    m = METRIC_INFO[metric_name(name)]
+    rng = np.random.default_rng(seed)
+    if m.column is None:
+        return _rate_replicates(frame, m, resamples, rng)
+    values = column_values(frame, m.column)
+    if m.q is not None:
+        return quantile_replicates(values, m.q, resamples, rng)
+    return mean_replicates(values, resamples, rng)
+
+
+def bootstrap(frame: pd.DataFrame, name: str, resamples: int = 1000, confidence: float = 0.95,
+              seed: int = 0) -> CI:
+    """Seeded bootstrap percentile interval of metric ``name`` (see ``bootstrap_replicates``)."""
+    return interval(*bootstrap_replicates(frame, name, resamples, seed), confidence)
+
+
+def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
+                       confidence: float = 0.95, seed: int = 0) -> CI:
+    return interval(*quantile_replicates(values, q, resamples, np.random.default_rng(seed)),
+                    confidence)
+
+
+def mean_bootstrap(values: np.ndarray, resamples: int = 1000, confidence: float = 0.95,
+                   seed: int = 0, max_rows: int = 100_000) -> CI:
+    return interval(*mean_replicates(values, resamples, np.random.default_rng(seed), max_rows),
+                    confidence)
 
 
 def column_values(frame: pd.DataFrame, column: str) -> np.ndarray:
@@ -625,27 +643,28 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
              seed: int = 0) -> dict[str, float | CI]:
     """Several metrics at once, extracting each column (ITL pooled once) a single time.
 
-    Same definitions as ``statistic``/``bootstrap``; returns CI tuples when ``ci``."""
+    Same definitions and replicates as ``statistic``/``bootstrap``; CI tuples when ``ci``."""
     names = [metric_name(x) for x in names]
     by_col: dict[str, list[Metric]] = {}
     out: dict[str, float | CI] = {}
     for name in names:
         m = METRIC_INFO[name]
         if m.column is None:
-            out[name] = (_rate_bootstrap(frame, m, resamples, confidence, seed) if ci
-                         else m.fn(frame))
+            out[name] = (interval(*_rate_replicates(frame, m, resamples,
+                                                    np.random.default_rng(seed)), confidence)
+                         if ci else m.fn(frame))
         else:
             by_col.setdefault(m.column, []).append(m)
     for col, ms in by_col.items():
-        v = np.asarray(column_values(frame, col), np.float64)
-        v = v[~np.isnan(v)]
-        qs = [m for m in ms if m.q is not None]
+        v = _clean(column_values(frame, col))
         if ci:
             for m in ms:
-                out[m.name] = (quantile_bootstrap(v, m.q, resamples, confidence, seed)
-                               if m.q is not None
-                               else mean_bootstrap(v, resamples, confidence, seed))
+                rng = np.random.default_rng(seed)
+                reps = (quantile_replicates(v, m.q, resamples, rng) if m.q is not None
+                        else mean_replicates(v, resamples, rng))
+                out[m.name] = interval(*reps, confidence)
             continue
+        qs = [m for m in ms if m.q is not None]
         if qs:
             vals = np.quantile(v, [m.q for m in qs]) if len(v) else [math.nan] * len(qs)
             out.update({m.name: float(x) for m, x in zip(qs, vals)})
@@ -653,7 +672,6 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
             if m.q is None:
                 out[m.name] = float(v.mean()) if len(v) else math.nan
     return {n: out[n] for n in names}
-
 
 # --------------------------------------------------------------------------------------------
 # group-bys

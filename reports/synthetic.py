@@ -36,6 +36,7 @@ class EndpointShape:
     model: str = "kvbench-llama-3-70b"
     gpus: int = 1
     gpu_hour_cost: float | None = None
+    slowdown: float = 1.0  # factor on every latency (like the emulator's `slowdown` option)
 
 
 @dataclass
@@ -87,13 +88,13 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
     lateness = rng.exponential(shape.lateness_ms * 1e6, n).astype(np.int64)
     t_sent = t_sched + lateness
     ttft = ((ep.ttft_base_ms + (prompt - cached) * ep.ttft_ms_per_prompt_token)
-            * rng.lognormal(0, 0.2, n) * 1e6).astype(np.int64)
+            * rng.lognormal(0, 0.2, n) * 1e6 * ep.slowdown).astype(np.int64)
     k = np.clip(out // 2, 1, shape.max_chunks)  # chunks per request
     chunk_tok = np.maximum(out // k, 1).astype(np.int32)
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(k, out=offsets[1:])
     total = int(offsets[-1])
-    step = rng.gamma(4.0, ep.itl_ms * 1e6 / 4.0, total)
+    step = rng.gamma(4.0, ep.itl_ms * ep.slowdown * 1e6 / 4.0, total)
     starts = offsets[:-1]
     step[starts] = ttft
     csum = np.cumsum(step)

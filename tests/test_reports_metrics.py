@@ -185,3 +185,28 @@ def test_rates_properties(n, err, seed):
     qs = [M.statistic(f, f"ttft_{k}") for k in M.QUANTILES]
     if not any(math.isnan(x) for x in qs):
         assert qs == sorted(qs)
+
+
+def test_evaluate_agrees_with_statistic_and_bootstrap():
+    tab, stages = synth_table(RunShape(endpoints=[EndpointShape("a", error_rate=0.05)],
+                                       requests_per_stage=200))
+    f = M.request_frame(tab, stages=stages, slo={"rag": {"ttft_ms": 90}})
+    names = list(M.METRICS)
+    got = M.evaluate(f, names)
+    cis = M.evaluate(f, names, ci=True, resamples=300, seed=4)
+    for n in names:
+        assert got[n] == pytest.approx(M.statistic(f, n), nan_ok=True), n
+        assert tuple(cis[n]) == pytest.approx(tuple(M.bootstrap(f, n, resamples=300, seed=4)),
+                                              nan_ok=True), n
+
+
+def test_bootstrap_replicates_are_seeded_and_sized():
+    tab, stages = synth_table(RunShape(endpoints=[EndpointShape("a", error_rate=0.1)],
+                                       requests_per_stage=150))
+    f = M.request_frame(tab, stages=stages)
+    for name in ("ttft_p99", "itl_p50", "e2e_mean", "goodput_rps", "output_tps", "hit_ratio"):
+        est, reps = M.bootstrap_replicates(f, name, 300, seed=5)
+        est2, reps2 = M.bootstrap_replicates(f, name, 300, seed=5)
+        assert len(reps) == 300 and est == est2 and np.array_equal(reps, reps2), name
+        assert est == pytest.approx(M.statistic(f, name)), name
+        assert np.nanstd(reps) > 0, name
