@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import urllib.error
+import uuid
 import urllib.parse
 import urllib.request
 from collections import deque
@@ -99,6 +100,7 @@ class AgentServer:
         self.token = token or None
         self.clock_ns = clock_ns
         self.hostname = socket.gethostname()
+        self.instance = uuid.uuid4().hex  # changes on restart, so pullers restart their seq
         self.buffer = SampleBuffer(max_rows)
         log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.sampler = NvmlSampler(self.buffer.append, interval_s=interval_s, nvml=nvml,
@@ -190,7 +192,8 @@ class AgentServer:
                                 w.write_batch(b)
                         ctype = ARROW_STREAM
                     return self._send(200, sink.getvalue(), ctype, {
-                        "X-Kvbench-Seq": str(seq), "X-Kvbench-Host": agent.hostname})
+                        "X-Kvbench-Seq": str(seq), "X-Kvbench-Host": agent.hostname,
+                        "X-Kvbench-Agent": agent.instance})
                 return self._json(404, {"error": "no such path; use /clock, /status, /samples"})
 
         return Handler
@@ -235,17 +238,20 @@ class AgentPuller:
         self.failures = 0
         self.rows = 0
         self.last_error: str | None = None
+        self.restarts = 0
+        self.instance: str | None = None
         self.agent_status: dict | None = None
         self.since_ns = time.time_ns()  # local epoch ns: rows sampled before are not wanted
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one pull at a time (loop vs final pull)
 
-    def _get(self, path: str) -> tuple[bytes, dict]:
+    def _get(self, path: str):
+        """(body, headers) of one GET; headers look up case-insensitively."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         req = urllib.request.Request(self.url + path, headers=headers)
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            return resp.read(), dict(resp.headers)
+            return resp.read(), resp.headers
 
     def _fail(self, exc: BaseException) -> None:
         self.failures += 1
@@ -307,6 +313,14 @@ class AgentPuller:
                 self._fail(exc)
                 return False
             seq = int(headers.get("X-Kvbench-Seq", self.seq))
+            instance = headers.get("X-Kvbench-Agent")
+            if self.instance is None:
+                self.instance = instance
+            elif instance != self.instance:  # the agent restarted: its numbering began again
+                self.instance = instance
+                self.restarts += 1
+                self.seq = 0
+                return True
             if table.num_rows:
                 table = self._align(table.cast(GPU))
                 table = table.filter(pc.greater_equal(table.column("t_ns"),
@@ -342,6 +356,10 @@ class AgentPuller:
             out.append({"what": f"pulls from collector agent {self.url}",
                         "why": f"{self.failures} of {self.pulls} pulls failed; last: "
                                f"{self.last_error}"})
+        if self.restarts:
+            out.append({"what": f"collector agent {self.url}",
+                        "why": f"restarted {self.restarts} time(s) during the run; samples it "
+                               "took before each restart and not yet pulled are lost"})
         dropped = (self.agent_status or {}).get("dropped_rows", 0)
         if dropped:
             out.append({"what": f"samples on collector agent {self.url}",

@@ -132,3 +132,29 @@ def test_kvbench_collect_cli_serves_and_stops_on_sigterm():
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(10)
     assert rc == 0
+
+
+def test_puller_notices_an_agent_restart():
+    nv = FakeNvml([FakeGpu()])
+    agent = AgentServer("127.0.0.1", 0, interval_s=0.02, nvml=nv, log=lambda m: None).start()
+    got = []
+    p = AgentPuller(agent.url, emit=got.append, log=lambda m: None)
+    p.since_ns = 0
+    try:
+        time.sleep(0.6)
+        assert p.pull_once() and p.pull_once()
+        time.sleep(0.6)
+        assert p.pull_once() and p.seq >= 2
+    finally:
+        agent.stop()
+    port = agent.port
+    agent = AgentServer("127.0.0.1", port, interval_s=0.02, nvml=FakeNvml([FakeGpu()]),
+                        log=lambda m: None).start()
+    try:
+        time.sleep(0.6)
+        before = p.rows
+        assert p.pull_once() and p.restarts == 1 and p.seq == 0
+        assert p.pull_once() and p.rows > before  # the new agent's rows arrive
+    finally:
+        agent.stop()
+    assert "restarted 1 time" in p.incomplete()[0]["why"]
