@@ -1,0 +1,102 @@
+"""The engines of one endpoint wired as a topology, and the path of a request through them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from endpoints.config import Resolved
+from endpoints.engine import Engine, Seq
+from endpoints.router import Router
+
+
+class Cluster:
+    """colocated / offloaded: replicas behind a cache-aware balancer; disaggregated: a prefill
+    pool, a link, a decode pool; routed: regions x replicas behind the configured router."""
+
+    def __init__(self, res: Resolved):
+        self.res = res
+        cfg = res.cfg
+        self.topology = cfg.topology
+        self.engines: list[Engine] = []
+        self.decode_pool: list[Engine] = []
+        self._link_free: dict[str, float] = {}
+        regions: dict[str, list[Engine]] = {}
+        home = res.region_names[0]
+        if cfg.topology in ("colocated", "offloaded"):
+            n = res.replicas()
+            regions[home] = [self._engine(f"r{i}", "colocated", home,
+                                          offload=cfg.topology == "offloaded")
+                             for i in range(n)]
+            strategy = "REGIONAL"
+        elif cfg.topology == "disaggregated":
+            regions[home] = [self._engine(f"p{i}", "prefill", home)
+                             for i in range(cfg.prefill_gpus)]
+            self.decode_pool = [self._engine(f"d{i}", "decode", home)
+                                for i in range(cfg.decode_gpus)]
+            strategy = "REGIONAL"
+        else:
+            for r, name in enumerate(res.region_names):
+                regions[name] = [self._engine(f"{name}/r{i}", "colocated", name)
+                                 for i in range(cfg.replicas_per_region)]
+            strategy = cfg.router
+        self.router = Router(strategy, regions, cfg.cross_region_rtt_ms, res.prefill_tok_per_ms,
+                             cfg.block_tokens)
+
+    def _engine(self, name: str, role: str, region: str, offload: bool = False) -> Engine:
+        eng = Engine(self.res, name, role, region, gpu=len(self.engines),
+                     on_prefilled=self._handoff if role == "prefill" else None,
+                     offload=offload)
+        self.engines.append(eng)
+        return eng
+
+    def start(self) -> None:
+        for e in self.engines:
+            e.start()
+
+    async def stop(self) -> None:
+        for e in self.engines:
+            await e.stop()
+
+    async def submit(self, seq: Seq, caller: str | None, residency: str | None) -> None:
+        """Front end (tokenising, hashing), routing, the network, then an engine's queue.
+        Raises router.RoutingError for an unknown region."""
+        cfg = self.res.cfg
+        scale = cfg.time_scale / 1e3
+        eng, cross = self.router.pick(seq, caller, residency)
+        delay_ms = seq.n_prompt * cfg.frontend_us_per_prompt_token / 1e3 \
+            + self.res.offload_request_overhead_ms * (self.topology == "offloaded")
+        if cross:
+            seq.network_ms = cfg.cross_region_rtt_ms
+            delay_ms += cfg.cross_region_rtt_ms
+        if delay_ms > 0:
+            await asyncio.sleep(delay_ms * scale)
+        if seq.cancelled:
+            return
+        eng.add(seq)
+
+    def _handoff(self, seq: Seq) -> None:
+        """Prefill done: move the prompt's KV over the link, then queue on a decode GPU."""
+        loop = asyncio.get_running_loop()
+        src = seq.engine
+        cfg = self.res.cfg
+        scale = cfg.time_scale / 1e3
+        dst = min(self.decode_pool, key=lambda e: (e.num_running + e.num_waiting,
+                                                    e.kv_usage()))
+        total_ms = self.res.kv_transfer_ms(seq.n_prompt)
+        wire_ms = seq.n_prompt * self.res.kv_bytes_per_token / (self.res.link_gb_s * 1e9) * 1e3
+        now = loop.time()
+        start = max(now, self._link_free.get(src.name, now))
+        self._link_free[src.name] = start + wire_ms * scale
+        done = start + total_ms * scale
+        seq.kv_transfer_ms = total_ms
+        tier = "rdma" if cfg.link == "rdma" else "tcp"
+        src.move(tier, "send", seq.n_prompt * self.res.kv_bytes_per_token, total_ms * scale)
+        dst.move(tier, "receive", seq.n_prompt * self.res.kv_bytes_per_token, 0.0)
+
+        def arrive() -> None:
+            seq.t_transfer_done = loop.time()
+            if seq.cancelled:
+                return
+            dst.add(seq)
+
+        loop.call_at(done, arrive)

@@ -1,0 +1,73 @@
+"""Request routers over replicas in regions: ROUND_ROBIN (an ALB in the caller's region),
+REGIONAL (cache-aware on prefix hashes within the caller's region) and GLOBAL (cache-aware
+across regions, paying the cross-region round trip). A residency constraint always wins."""
+
+from __future__ import annotations
+
+from endpoints.engine import Engine, Seq
+
+
+class RoutingError(Exception):
+    """A request names a region this endpoint does not have."""
+
+
+class Router:
+    def __init__(self, strategy: str, regions: dict[str, list[Engine]], rtt_ms: float,
+                 prefill_tok_per_ms: float, block_tokens: int):
+        self.strategy = strategy
+        self.regions = regions
+        self.rtt_ms = rtt_ms
+        self.rate = prefill_tok_per_ms
+        self.bt = block_tokens
+        self._rr = {name: 0 for name in regions}
+        self.default_region = next(iter(regions))
+
+    def region_of(self, name: str | None, what: str) -> str | None:
+        if name is None or name == "":
+            return None
+        if name not in self.regions:
+            raise RoutingError(f"header {what}: unknown region {name!r}; use one of "
+                               f"{sorted(self.regions)}")
+        return name
+
+    def cached_tokens(self, eng: Engine, seq: Seq) -> int:
+        """Prompt tokens ``eng`` would not recompute (HBM, then its lower tiers)."""
+        hashes = seq.hashes
+        k = eng.cache.match(hashes)
+        if eng.dram is not None:
+            dram, disk = eng.dram, eng.disk
+            while k < len(hashes) and (hashes[k] in dram or (disk is not None
+                                                              and hashes[k] in disk)):
+                k += 1
+        return k * self.bt
+
+    def estimate_ms(self, eng: Engine, seq: Seq, cross: bool) -> float:
+        """Expected TTFT on ``eng``: round trip, queued prefill work, our uncached prefill."""
+        todo = seq.n_prompt - self.cached_tokens(eng, seq)
+        return (self.rtt_ms if cross else 0.0) + eng.load_ms() + todo / self.rate
+
+    def pick(self, seq: Seq, caller: str | None = None,
+             residency: str | None = None) -> tuple[Engine, bool]:
+        """The engine to serve ``seq`` and whether it is in another region than the caller."""
+        caller = self.region_of(caller, "x-kvbench-region") or self.default_region
+        residency = self.region_of(residency, "x-kvbench-residency")
+        if residency is not None:
+            allowed = [residency]
+        elif self.strategy == "GLOBAL":
+            allowed = list(self.regions)
+        else:
+            allowed = [caller]
+        if self.strategy == "ROUND_ROBIN":
+            reg = allowed[0] if caller not in allowed else caller
+            engines = self.regions[reg]
+            i = self._rr[reg]
+            self._rr[reg] = i + 1
+            return engines[i % len(engines)], reg != caller
+        best = None
+        for reg in allowed:
+            cross = reg != caller
+            for eng in self.regions[reg]:
+                key = (self.estimate_ms(eng, seq, cross), eng.num_running + eng.num_waiting)
+                if best is None or key < best[0]:
+                    best = (key, eng, cross)
+        return best[1], best[2]
