@@ -352,3 +352,14 @@ def test_flatten_round_robin_window():
 
     got = list(flatten([S(i) for i in range(3)], "round_robin", lambda r: "", window=2))
     assert got == [(0, 1), (1, 1), (0, 2), (1, 2), (2, 1), (2, 2)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 20000), rid=st.text(max_size=10))
+def test_synthetic_response_exact_length(n, rid):
+    wl = build_spec("agent", SMALL["agent"], TOK, 1)
+    r = next(iter(wl.requests()))
+    from dataclasses import replace
+    fake = replace(r, max_tokens=n, request_id=rid)
+    text = wl.synthetic_response(fake)
+    assert TOK.count(text) == n and text == wl.synthetic_response(fake)

@@ -12,7 +12,9 @@ import numpy as np
 from workloads.base import Request, Session
 from workloads.specs import LengthDist
 from workloads.text import TextFactory, key_seed
-from workloads.tokenizer import Tokenizer
+from workloads.tokenizer import BuiltinTokenizer, Tokenizer
+
+_POOL = 16384  # words in the synthetic-response pool
 
 
 def rng_for(seed: int, *parts: object) -> np.random.Generator:
@@ -72,12 +74,23 @@ class GeneratedWorkload:
         self.tokenizer = tokenizer
         self.seed = seed
         self.text = TextFactory(tokenizer, seed)
+        self._pool: list[str] | None = None
 
     def sessions(self) -> Iterator[Session]:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
     def synthetic_response(self, req: Request) -> str:
-        return self.text.segment(f"{self.name}/response/{req.request_id}", req.max_tokens)
+        """Exactly ``max_tokens`` tokens standing in for the endpoint's answer: a window of a
+        shared word pool at an offset hashed from the request id (for the built-in tokenizer,
+        where words add up exactly; a fresh segment otherwise)."""
+        n = req.max_tokens
+        if self._pool is None:
+            self._pool = self.text.segment(f"{self.name}/response-pool", _POOL).split(" ")[1:] \
+                if isinstance(self.tokenizer, BuiltinTokenizer) else []
+        if n > len(self._pool) or n <= 0:
+            return self.text.segment(f"{self.name}/response/{req.request_id}", n)
+        off = key_seed(self.seed, self.name, req.request_id) % (len(self._pool) - n + 1)
+        return " " + " ".join(self._pool[off:off + n])
 
     def requests(self) -> Iterator[Request]:
         return flatten(self.sessions(), self.flatten_order, self.synthetic_response,

@@ -39,17 +39,23 @@ def merges(left: str, right: str) -> bool:
     return a.isspace() or (_alnum(a) and _alnum(right[0]))
 
 
+_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+
+
 def concat_count(pieces: Sequence[Piece]) -> int:
-    """``count("".join(texts))`` for the built-in tokenizer, from the pieces' own counts."""
+    """``count("".join(texts))`` for the built-in tokenizer, from the pieces' own counts
+    (the ``merges`` rule, inlined: this runs for every request)."""
     total = 0
     last = ""
+    alnum = _ALNUM
     for p in pieces:
-        if not p.text:
+        t = p.text
+        if not t:
             continue
         total += p.ntok
-        if last and merges(last, p.text):
+        if last and (last.isspace() or (last in alnum and t[0] in alnum)):
             total -= 1
-        last = p.text
+        last = t[-1]
     return total
 
 
