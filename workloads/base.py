@@ -44,7 +44,8 @@ class Session(Protocol):
 
 class Workload(Protocol):
     name: str
-    request_class: str
+    request_class: str  # "mix" for a mix; each request carries its own class
+    has_arrivals: bool  # True when requests carry arrival_offset_s (traces)
 
     def sessions(self) -> Iterator[Session]:
         """Deterministic sessions for this seed; single-shot workloads give 1-turn sessions."""
