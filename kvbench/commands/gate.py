@@ -1,0 +1,112 @@
+"""kvbench gate: compare a run with a baseline under bench.toml's rules; exit code for CI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvbench.errors import DataError, UserError
+
+EXIT_DATA = 3
+
+
+def add_parser(p) -> None:
+    p.add_argument("--baseline", required=True,
+                   help="a results directory, a run id under --results-dir, or 'last-pass'")
+    p.add_argument("--current", required=True, help="the results directory to judge")
+    p.add_argument("--config", default=None,
+                   help="bench.toml whose [gate] rules apply (default: the current run's own)")
+    p.add_argument("--results-dir", default=None,
+                   help="results store for run ids, last-pass and history (default: the "
+                        "config's suite.results_dir, else the parent of --current)")
+    p.add_argument("--junit", default=None, help="write JUnit XML here (one case per rule)")
+    p.add_argument("--markdown", default=None,
+                   help="write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY)")
+    p.add_argument("--json", default=None, help="write the verdicts as JSON here")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 2 when any rule is inconclusive (default: exit 0)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--no-history", action="store_true",
+                   help="do not record the verdict in the results history")
+
+
+def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: Path) -> Path:
+    from kvbench.history import last_pass
+
+    if spec == "last-pass":
+        return last_pass(results_dir, suite, exclude_run=current.name)
+    path = Path(spec)
+    if (path / "run.json").exists():
+        return path
+    if (results_dir / spec / "run.json").exists():
+        return results_dir / spec
+    raise DataError(f"baseline {spec!r} is neither a results directory nor a run id under "
+                    f"{results_dir}; give a directory holding run.json, a run id or last-pass")
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except UserError as exc:
+        # The gate's contract: usage and data errors exit 3, whatever their kind.
+        raise DataError(str(exc)) from None
+
+
+def _run(args) -> int:
+    from kvbench import history
+    from kvbench.config import GateConfig, load_config
+    from kvbench.store import load_results
+    from reports import gate
+
+    current_path = Path(args.current)
+    current = load_results(current_path)
+    if args.config:
+        cfg = load_config(args.config)
+        gate_cfg, slo = cfg.gate, {k: v.model_dump() for k, v in cfg.slo.items()}
+        results_dir = Path(args.results_dir or cfg.suite.results_dir)
+    else:
+        resolved = current.meta.get("config") or {}
+        try:
+            gate_cfg = GateConfig.model_validate(resolved.get("gate") or {})
+        except Exception as exc:
+            raise DataError(f"{current_path / 'run.json'}: its gate rules are invalid ({exc}); "
+                            "pass --config bench.toml") from None
+        slo = resolved.get("slo") or {}
+        results_dir = Path(args.results_dir) if args.results_dir else current_path.parent
+    suite = current.meta.get("suite")
+    base_path = _resolve_baseline(args.baseline, results_dir, suite, current_path)
+    baseline = load_results(base_path)
+    results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed)
+    verdict = gate.overall(results)
+    for r in results:
+        print(f"{r.verdict.upper():>12}  {r.name}: {r.describe()}")
+    print(f"kvbench gate: {verdict.upper()} ({len(results)} checks; baseline {base_path})")
+    md = gate.markdown(results, str(base_path), str(current_path), gate_cfg.confidence)
+    if args.markdown:
+        Path(args.markdown).write_text(md)
+    if args.junit:
+        Path(args.junit).write_text(gate.junit_xml(results))
+    verdict_doc = {"verdict": verdict, "baseline": str(base_path), "current": str(current_path),
+                   "confidence": gate_cfg.confidence, "rules": gate.to_records(results)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(verdict_doc, indent=2, default=str))
+    # Beside the run, so its report can show the gate section.
+    (current_path / "gate.json").write_text(json.dumps(verdict_doc, indent=2, default=str))
+    if not args.no_history:
+        history.record_run(results_dir, current.meta, current_path,
+                           _history_rows(current, slo), verdict)
+    return gate.exit_code(verdict, args.strict)
+
+
+def _history_rows(results, slo) -> list[dict]:
+    from kvbench.history import KEY_METRICS
+    from reports import metrics as M
+
+    frame = M.request_frame(results.requests, stages=results.meta.get("stages") or (), slo=slo)
+    rows = []
+    for ep in frame["endpoint"].cat.categories:
+        sub = frame[frame["endpoint"] == ep]
+        for name in KEY_METRICS:
+            rows.append({"endpoint": ep, "request_class": "*", "metric": name,
+                         "value": M.statistic(sub, name)})
+    return rows

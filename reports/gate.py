@@ -1,0 +1,234 @@
+"""The nightly gate: a noise-aware comparison of a run with its baseline.
+
+For each rule the statistic is bootstrapped in both runs (``reports.metrics``: the same metric
+definitions as the report), the replicates are paired at random, and the ratio current /
+baseline gets a percentile confidence interval. A relative rule (``max_increase_pct``,
+``max_decrease_pct``) turns the allowed change into a ratio limit; an absolute rule
+(``max_value``) bounds the current statistic itself.
+
+Verdicts: ``pass`` when the whole interval is within the limit, ``fail`` when the whole
+interval lies beyond it, ``inconclusive`` when it straddles the limit (the change may be noise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from xml.sax.saxutils import escape, quoteattr
+
+import numpy as np
+import pandas as pd
+
+from kvbench.errors import DataError, UserError
+from reports import metrics as M
+
+VERDICT_ORDER = {"pass": 0, "inconclusive": 1, "fail": 2}
+
+
+@dataclass(frozen=True)
+class RuleResult:
+    metric: str
+    endpoint: str
+    request_class: str
+    kind: str  # "relative" | "absolute"
+    limit: float  # ratio limit (relative) or absolute ceiling, in the metric's unit
+    baseline: float  # NaN for absolute rules
+    current: float
+    low: float  # CI of the ratio (relative) or of the current value (absolute)
+    high: float
+    n_baseline: int
+    n_current: int
+    verdict: str
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric}[endpoint={self.endpoint},class={self.request_class}]"
+
+    def describe(self) -> str:
+        unit = M.METRIC_INFO[self.metric].unit
+        if self.kind == "relative":
+            change = (self.current / self.baseline - 1) * 100 if self.baseline else math.nan
+            return (f"{self.metric} {self.baseline:.4g} -> {self.current:.4g} {unit} "
+                    f"({change:+.1f}%), ratio CI [{self.low:.3f}, {self.high:.3f}] vs limit "
+                    f"{self.limit:.3f}{'; ' + self.note if self.note else ''}")
+        return (f"{self.metric} {self.current:.4g} {unit}, CI [{self.low:.4g}, {self.high:.4g}] "
+                f"vs max {self.limit:.4g}{'; ' + self.note if self.note else ''}")
+
+
+def _frame(results, slo: dict | None) -> pd.DataFrame:
+    return M.request_frame(results.requests, stages=results.meta.get("stages") or (), slo=slo)
+
+
+def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFrame:
+    rows = np.asarray(frame["endpoint"] == endpoint)
+    if request_class != "*":
+        rows &= np.asarray(frame["request_class"] == request_class)
+    return frame[rows]
+
+
+def _slo_from(meta: dict) -> dict:
+    return ((meta.get("config") or {}).get("slo")) or {}
+
+
+def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
+    reps = reps[np.isfinite(reps)]
+    if len(reps) == 0:
+        return math.nan, math.nan
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a])
+    return float(lo), float(hi)
+
+
+def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
+             seed: int = 0) -> list[RuleResult]:
+    """Every rule of ``gate_cfg`` (kvbench.config.GateConfig) on two ``Results``."""
+    if not gate_cfg.rules:
+        raise UserError("the gate has no rules; add [gate] rules to bench.toml")
+    slo = slo if slo is not None else _slo_from(current.meta)
+    cur = _frame(current, slo)
+    base = _frame(baseline, slo) if baseline is not None else None
+    endpoints_cur = list(cur["endpoint"].cat.categories) if len(cur) else []
+    out: list[RuleResult] = []
+    for i, rule in enumerate(gate_cfg.rules):
+        try:
+            metric = M.metric_name(rule.metric)
+        except UserError as exc:
+            raise DataError(f"gate rule {i} ({rule.metric}): {exc}") from None
+        if rule.endpoint == "*":
+            eps = endpoints_cur
+        elif rule.endpoint in endpoints_cur:
+            eps = [rule.endpoint]
+        else:
+            raise DataError(f"gate rule {i} names endpoint {rule.endpoint!r}, which the current "
+                            f"run does not have; use one of {endpoints_cur} or \"*\"")
+        for ep in eps:
+            out.append(_one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i))
+    return out
+
+
+def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int) -> RuleResult:
+    info = M.METRIC_INFO[metric]
+    conf, b = gate_cfg.confidence, gate_cfg.bootstrap_resamples
+    fc = _select(cur, endpoint, rule.request_class)
+    est_c, reps_c = M.bootstrap_replicates(fc, metric, b, seed)
+    common = dict(metric=metric, endpoint=endpoint, request_class=rule.request_class,
+                  n_current=len(fc))
+    if rule.max_value is not None:
+        lo, hi = _interval(reps_c, conf)
+        if len(fc) == 0 or math.isnan(est_c):
+            verdict, note = "inconclusive", "no data in the current run"
+        elif hi <= rule.max_value or (lo == hi == est_c and est_c <= rule.max_value):
+            verdict, note = "pass", ""
+        elif lo > rule.max_value:
+            verdict, note = "fail", ""
+        else:
+            verdict, note = "inconclusive", ""
+        return RuleResult(kind="absolute", limit=rule.max_value, baseline=math.nan,
+                          current=est_c, low=lo, high=hi, n_baseline=0, verdict=verdict,
+                          note=note, **common)
+    if base is None:
+        raise DataError(f"gate rule {rule.metric} is relative and needs a baseline; give "
+                        "--baseline")
+    fb = _select(base, endpoint, rule.request_class)
+    est_b, reps_b = M.bootstrap_replicates(fb, metric, b, seed + 1)
+    if rule.max_increase_pct is not None:
+        limit = 1 + rule.max_increase_pct / 100
+    else:
+        limit = 1 - rule.max_decrease_pct / 100
+    increase_rule = rule.max_increase_pct is not None
+    note = ""
+    if len(fb) == 0 or len(fc) == 0 or math.isnan(est_b) or math.isnan(est_c):
+        lo = hi = math.nan
+        verdict, note = "inconclusive", "no data for this endpoint and class in one of the runs"
+    elif est_b == 0:
+        lo = hi = math.nan
+        if est_c == 0:
+            verdict, note = "pass", "zero in both runs"
+        else:
+            verdict, note = "inconclusive", "baseline is zero: a ratio is undefined"
+    else:
+        rng = np.random.default_rng(seed + 2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = reps_c / reps_b[rng.permutation(len(reps_b))]
+        lo, hi = _interval(ratio, conf)
+        if math.isnan(lo):
+            verdict = "inconclusive"
+        elif increase_rule:
+            verdict = "pass" if hi <= limit else "fail" if lo > limit else "inconclusive"
+        else:
+            verdict = "pass" if lo >= limit else "fail" if hi < limit else "inconclusive"
+    if increase_rule == info.higher_is_better and note == "":
+        note = ("this rule bounds an increase of a higher-is-better metric" if increase_rule
+                else "this rule bounds a decrease of a lower-is-better metric")
+    return RuleResult(kind="relative", limit=limit, baseline=est_b, current=est_c, low=lo,
+                      high=hi, n_baseline=len(fb), verdict=verdict, note=note, **common)
+
+
+def overall(results: list[RuleResult]) -> str:
+    if not results:
+        return "pass"
+    return max((r.verdict for r in results), key=VERDICT_ORDER.__getitem__)
+
+
+def exit_code(verdict: str, strict: bool = False) -> int:
+    """0 pass, 1 fail, 2 inconclusive when ``strict`` (else 0)."""
+    return {"pass": 0, "fail": 1, "inconclusive": 2 if strict else 0}[verdict]
+
+
+def junit_xml(results: list[RuleResult], suite: str = "kvbench-gate") -> str:
+    """JUnit XML, one test case per rule and endpoint; inconclusive rules are 'skipped'."""
+    fails = sum(r.verdict == "fail" for r in results)
+    skips = sum(r.verdict == "inconclusive" for r in results)
+    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
+             f'<testsuite name={quoteattr(suite)} tests="{len(results)}" failures="{fails}" '
+             f'skipped="{skips}" errors="0">']
+    for r in results:
+        lines.append(f'  <testcase classname={quoteattr(suite)} name={quoteattr(r.name)}>')
+        if r.verdict == "fail":
+            lines.append(f'    <failure message={quoteattr(r.describe())}/>')
+        elif r.verdict == "inconclusive":
+            lines.append(f'    <skipped message={quoteattr("inconclusive: " + r.describe())}/>')
+        lines.append(f"    <system-out>{escape(r.describe())}</system-out>")
+        lines.append("  </testcase>")
+    lines.append("</testsuite>")
+    return "\n".join(lines) + "\n"
+
+
+_ICON = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE"}
+
+
+def markdown(results: list[RuleResult], baseline_label: str, current_label: str,
+             confidence: float) -> str:
+    verdict = overall(results)
+    out = [f"### kvbench gate: **{_ICON[verdict]}**", "",
+           f"Baseline `{baseline_label}`, current `{current_label}`; "
+           f"{confidence:.0%} bootstrap intervals of current / baseline.", "",
+           "| verdict | metric | endpoint | class | baseline | current | change | interval | limit |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.kind == "relative":
+            change = f"{(r.current / r.baseline - 1) * 100:+.1f}%" if r.baseline else "n/a"
+            interval = f"[{r.low:.3f}, {r.high:.3f}]"
+            limit = f"ratio {'<=' if r.limit >= 1 else '>='} {r.limit:.3f}"
+            base = f"{r.baseline:.4g}"
+        else:
+            change, base = "", ""
+            interval = f"[{r.low:.4g}, {r.high:.4g}]"
+            limit = f"<= {r.limit:.4g}"
+        out.append(f"| {_ICON[r.verdict]} | {r.metric} | {_md(r.endpoint)} | "
+                   f"{_md(r.request_class)} | {base} | {r.current:.4g} | {change} | {interval} | "
+                   f"{limit} |")
+    return "\n".join(out) + "\n"
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def to_records(results: list[RuleResult]) -> list[dict]:
+    """Plain dicts (for run.json and the HTML report's gate section)."""
+    return [{"metric": r.metric, "endpoint": r.endpoint, "request_class": r.request_class,
+             "kind": r.kind, "limit": r.limit, "baseline": r.baseline, "current": r.current,
+             "low": r.low, "high": r.high, "verdict": r.verdict, "note": r.note,
+             "text": r.describe()} for r in results]
