@@ -67,8 +67,8 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     assert (dc["endpoint"] == "emu").all()
     hits = eng[eng.metric == "vllm:prefix_cache_hits_total"].sort_values("t_ns")
     assert len(hits) >= 5 and hits["value"].is_monotonic_increasing
-    # samples taken after t_end come only from the final scrape/pull at stop()
-    assert (eng["t_ns"] > t_end).sum() <= len(eng[eng.t_ns == eng.t_ns.max()])
+    # after t_end: at most one periodic scrape that raced stop(), plus the final one
+    assert eng[eng.t_ns > t_end]["t_ns"].nunique() <= 2
 
 
 def test_no_gpu_no_endpoints_run_goes_on(tmp_path):
