@@ -210,11 +210,19 @@ class LoadContext:
 
     _lock = gevent.lock.RLock()  # users start concurrently; the context is built once
 
+    _error: UserError | None = None
+
     @classmethod
     def get(cls, environment, user_cls) -> "LoadContext":
         with cls._lock:
+            if cls._error is not None:
+                raise cls._error
             if cls._instance is None:
-                cls._instance = cls(environment, user_cls)
+                try:
+                    cls._instance = cls(environment, user_cls)
+                except UserError as exc:
+                    cls._error = exc
+                    raise
         return cls._instance
 
     # -- setup helpers
@@ -335,7 +343,7 @@ class LoadContext:
     # -- open loop
     def run_dispatcher(self) -> None:
         requests = (iter(self.workload.requests()) if self.pacing == "trace" else
-                    cycle_requests(self.workload.requests, 0, 1))
+                    cycle_requests(self.workload.requests, self.index, self.count))
         if self.pacing == "trace" and self.count > 1:
             requests = shard(requests, self.index, self.count)
         pool = ConnectionPool(self.target, read_timeout_s=self.timeout_s, cold=not self.warm)
@@ -495,6 +503,32 @@ def _quit_soon(environment) -> None:
 
 
 # --------------------------------------------------------------------------- hooks
+
+@events.init.add_listener
+def _on_init(environment, **kw) -> None:
+    """A single process builds its context now, so workload generation is not charged to the
+    run time (workers wait for the master's run id and worker count: see test_start)."""
+    runner = environment.runner
+    o = environment.parsed_options
+    if o is None or not hasattr(o, "kvbench_run_id") or runner is None or \
+            isinstance(runner, (MasterRunner, WorkerRunner)):
+        return
+    classes = [c for c in environment.user_classes if issubclass(c, KVBenchUser)]
+    if not classes:
+        return
+    if not o.kvbench_run_id:
+        _on_test_start(environment)
+    try:
+        LoadContext.get(environment, classes[0])
+    except UserError as exc:
+        log.error("kvbench: error: %s", exc)
+        environment._kvbench_error = str(exc)
+        environment.process_exit_code = 2
+        gevent.spawn_later(0.1, runner.quit)
+    # The build blocked the loop: refresh libev's cached clock, or Locust's --run-time timer
+    # (armed next) would count the build and end the run early.
+    gevent.get_hub().loop.update_now()
+
 
 @events.test_start.add_listener
 def _on_test_start(environment, **kw) -> None:

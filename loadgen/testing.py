@@ -125,8 +125,9 @@ class Server:
             out.append(_chunk(b"data: [DONE]\n\n"))
         if last:
             out.append(b"0\r\n\r\n")
-        s.w.write(b"".join(out))
-        s.sends.append(_now())
+        payload = b"".join(out)
+        s.sends.append(_now())  # just before the write: a client can never see it earlier
+        s.w.write(payload)
         if s.fault == "disconnect" and s.n == 2:
             s.w.transport.abort()
             last = True

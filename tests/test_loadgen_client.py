@@ -1,0 +1,102 @@
+"""The streaming client against a server that logs the send time of every chunk."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadgen.client import ChunkedDecoder
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The client runs in its own process (gevent, one core), the server in another, like a real run.
+SCRIPT = textwrap.dedent("""
+    from gevent import monkey; monkey.patch_all()
+    import sys, orjson, urllib.request
+    import gevent
+    from loadgen import testing
+    from loadgen.client import ConnectionPool, StreamingClient, Target
+    proc, url = testing.start(ttft_ms=40, itl_ms=10)
+    out = {}
+    try:
+        pool = ConnectionPool(Target.parse(url))
+        assert pool.warm(2) == 2
+        c = StreamingClient(pool, deadline_s=10)
+        body = orjson.dumps({"model": "test-model", "prompt": "a b c", "max_tokens": 30,
+                             "stream": True, "stream_options": {"include_usage": True}})
+        rows = []
+        for i in range(6):  # light load: one request at a time
+            r = c.post_stream("/v1/completions", body, headers={"x-request-id": f"r{i}"})
+            rows.append({"id": f"r{i}", "t0": r.t_sent_mono_ns, "offs": r.offsets_ns,
+                         "ttft": r.ttft_ns, "status": r.status, "connect": r.connect_ns,
+                         "ct": r.completion_tokens, "pt": r.prompt_tokens,
+                         "q": r.server_queue_ns, "replica": r.server_replica})
+        out["light"] = rows
+        cold = ConnectionPool(Target.parse(url), cold=True)
+        r = StreamingClient(cold).post_stream("/v1/completions", body,
+                                              headers={"x-request-id": "cold"})
+        out["cold_connect"] = r.connect_ns
+        out["cold_status"] = r.status
+        fast = StreamingClient(pool, deadline_s=0.3)
+        r = fast.post_stream("/v1/completions", body, headers={"x-test-fault": "hang"})
+        out["deadline"] = [r.status, r.error]
+        r = c.post_stream("/v1/completions", body.replace(b"test-model", b"nope"))
+        out["http"] = [r.status, r.http_status, r.error]
+        out["log"] = orjson.loads(urllib.request.urlopen(url + "/log").read())
+    finally:
+        testing.stop(proc)
+    sys.stdout.write(orjson.dumps(out).decode())
+""")
+
+
+def test_light_load_timings_match_the_server_log():
+    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = orjson.loads(p.stdout)
+    lags = []
+    for row in out["light"]:
+        assert row["status"] == "ok" and row["ct"] == 30 and row["pt"] == 3
+        assert row["connect"] == 0  # warmed keep-alive connection: no setup in the request
+        assert row["q"] == 1_500_000 and row["replica"] == "r0"
+        truth = out["log"][row["id"]]["sends_ns"]
+        assert len(truth) == len(row["offs"]) == 30
+        arrivals = [row["t0"] + o for o in row["offs"]]
+        lags += [a - s for a, s in zip(arrivals, truth)]
+        # ITL: client gaps equal the server's gaps within a few ms (buffering would lump them)
+        for k in range(1, 30):
+            client_gap = row["offs"][k] - row["offs"][k - 1]
+            server_gap = truth[k] - truth[k - 1]
+            assert abs(client_gap - server_gap) < 3e6
+        # TTFT: from the client's send to the server's first send, plus loopback
+        server_ttft = truth[0] - out["log"][row["id"]]["recv_ns"]
+        assert 0 <= row["ttft"] - server_ttft < 3e6
+    lags.sort()
+    assert lags[0] >= 0  # the client never sees a chunk before it was sent
+    assert lags[int(len(lags) * 0.99)] < 3e6
+    assert out["cold_status"] == "ok" and out["cold_connect"] > 0
+    assert out["deadline"][0] == "timeout"
+    assert out["http"][:2] == ["http_error", 404] and "does not exist" in out["http"][2]
+
+
+def chunked(parts, trailers=b""):
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts if p) + b"0\r\n" + trailers + \
+        b"\r\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=50), max_size=8),
+       st.sampled_from([b"", b"x-trailer: 1\r\n"]), st.data())
+def test_chunked_decoder_any_split(parts, trailers, data):
+    wire = chunked(parts, trailers)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(wire)), max_size=12))))
+    d = ChunkedDecoder()
+    got = b""
+    for a, b in zip([0] + cuts, cuts + [len(wire)]):
+        got += d.feed(wire[a:b])
+    assert got == b"".join(parts)
+    assert d.done
