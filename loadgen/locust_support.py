@@ -408,8 +408,10 @@ class LoadContext:
                     "what": f"{d.dropped_at_cap} arrivals on {self.endpoint}/{self.workload_name}",
                     "why": f"dropped at the cap of {self.max_in_flight} requests in flight"})
         elif self.pacing == "closed":
-            users = getattr(self.environment.runner, "target_user_count", None)
-            self.add_stage(StagePlan(self.opts.kvbench_stage_index, 0.0, None, users),
+            i = self.opts.kvbench_stage_index
+            planned = self.stages[i].users if i < len(self.stages) else None
+            users = planned or getattr(self.opts, "num_users", None)  # all processes together
+            self.add_stage(StagePlan(i, 0.0, None, users),
                            self.t_start_ns, time.time_ns())
             st = self.sink.meta["stages"][-1]
             st["duration_s"] = (st["t_end_ns"] - st["t_start_ns"]) / 1e9
