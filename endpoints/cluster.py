@@ -68,8 +68,10 @@ class Cluster:
         if cross:
             seq.network_ms = cfg.cross_region_rtt_ms
             delay_ms += cfg.cross_region_rtt_ms
-        if delay_ms > 0:
-            await asyncio.sleep(delay_ms * scale)
+        # The real time already spent reading and tokenising counts toward the front end.
+        delay = delay_ms * scale - (asyncio.get_running_loop().time() - seq.t_arrival)
+        if delay > 0:
+            await asyncio.sleep(delay)
         if seq.cancelled:
             return
         eng.add(seq)

@@ -26,6 +26,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# How far behind its timeline (wall seconds) an engine may fall and still catch up by running
+# steps back to back; beyond it the timeline restarts from now (an overloaded host).
+CATCH_UP_S = 0.25
 LATENESS_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -252,9 +255,9 @@ class Engine:
             wall = ms * scale
             now = loop.time()
             prev = self._prev_deadline
-            # Keep the model's timeline: a step starts where the last one ended unless the
-            # engine fell idle, so small wake-up delays do not accumulate.
-            start = prev if prev is not None and now - prev < 0.002 else now
+            # Keep the model's timeline: a step starts where the last one ended (unless the
+            # engine fell idle or is hopelessly behind), so wake-up delays do not accumulate.
+            start = prev if prev is not None and now - prev < CATCH_UP_S else now
             deadline = start + wall
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
