@@ -9,9 +9,104 @@ from typing import Mapping, Sequence
 import pandas as pd
 import pyarrow as pa
 
+import json
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from kvbench.errors import DataError
-from kvbench.store import Results, load_results
-from reports.metrics import request_frame
+from kvbench.schema import SCHEMA_VERSION, TABLES
+from kvbench.store import read_shards
+from reports.metrics import FRAME_COLUMNS, GapStore, request_frame
+
+BATCH_ROWS = 65_536  # requests per streamed batch when deriving ITL gaps
+
+
+@dataclass
+class _Run:
+    path: Path
+    meta: dict
+    requests: pa.Table  # FRAME_COLUMNS only
+    gaps: GapStore
+    gpu: pa.Table
+    engine: pa.Table
+
+
+def _read_meta(run_dir: Path) -> dict:
+    """run.json, checked as kvbench.store.load_results checks it."""
+    meta_path = run_dir / "run.json"
+    if not meta_path.exists():
+        raise DataError(f"{run_dir}: no run.json there; give a results directory written by "
+                        "kvbench run or a locustfile")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as exc:
+        raise DataError(f"{meta_path}: unreadable run.json ({exc}); rerun or restore it") from None
+    ver = meta.get("schema_version")
+    if ver != SCHEMA_VERSION:
+        raise DataError(f"{meta_path}: results of schema version {ver}, this kvbench reads "
+                        f"version {SCHEMA_VERSION}; use the kvbench version that wrote them")
+    return meta
+
+
+def _read_table(run_dir: Path, name: str) -> pa.Table:
+    parts = []
+    pfile = run_dir / f"{name}.parquet"
+    if pfile.exists():
+        parts.append(pq.read_table(pfile).cast(TABLES[name]))
+    live = read_shards(run_dir, name)
+    if live.num_rows:
+        parts.append(live)
+    return pa.concat_tables(parts) if parts else TABLES[name].empty_table()
+
+
+def _read_run(path: Path | str) -> _Run:
+    """Like kvbench.store.load_results, but the requests' chunk lists are streamed in batches
+    and turned into ITL gaps at once: 1M requests x 50 chunks never sit in memory twice."""
+    run_dir = Path(path)
+    meta = _read_meta(run_dir)
+    schema = TABLES["requests"]
+    tables, gap_parts = [], []
+    pfile = run_dir / "requests.parquet"
+    if pfile.exists():
+        pf = pq.ParquetFile(pfile)
+        have = set(pf.schema_arrow.names)
+        cols = [c for c in FRAME_COLUMNS if c in have]
+        t = pf.read(columns=cols)
+        t = _conform(t, schema)
+        tables.append(t)
+        if "chunk_offsets_ns" in have:
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS,
+                                         columns=["chunk_offsets_ns", "status"]):
+                ok = pc.fill_null(pc.equal(batch.column(1), "ok"), False).to_numpy(
+                    zero_copy_only=False)
+                gap_parts.append(GapStore.from_offsets(batch.column(0), keep=ok))
+        else:
+            gap_parts.append(GapStore(np.zeros(0, np.float32), np.zeros(t.num_rows + 1,
+                                                                         np.int64)))
+    live = read_shards(run_dir, "requests")
+    if live.num_rows:
+        ok = pc.fill_null(pc.equal(live.column("status"), "ok"), False).to_numpy(
+            zero_copy_only=False)
+        gap_parts.append(GapStore.from_offsets(live.column("chunk_offsets_ns"), keep=ok))
+        tables.append(live.select(list(FRAME_COLUMNS)))
+    requests = pa.concat_tables(tables) if tables else schema.empty_table().select(
+        list(FRAME_COLUMNS))
+    gaps = GapStore.concat(gap_parts) if gap_parts else GapStore(
+        np.zeros(0, np.float32), np.zeros(1, np.int64))
+    return _Run(run_dir, meta, requests, gaps, _read_table(run_dir, "gpu"),
+                _read_table(run_dir, "engine"))
+
+
+def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    """The FRAME_COLUMNS of ``t`` with schema v1 types (missing columns as nulls)."""
+    cols = []
+    for name in FRAME_COLUMNS:
+        typ = schema.field(name).type
+        cols.append(t.column(name).cast(typ) if name in t.column_names
+                    else pa.nulls(t.num_rows, typ))
+    return pa.table(cols, names=list(FRAME_COLUMNS))
 
 
 @dataclass
@@ -46,7 +141,7 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
     """Read the runs; endpoint names that repeat across runs become ``name@run_id``.
 
     ``slo``: {class: SLO}; None takes the ``slo`` tables of the runs' resolved configs."""
-    results: list[Results] = [load_results(p) for p in paths]
+    results: list[_Run] = [_read_run(p) for p in paths]
     if not results:
         raise DataError("no results given; pass one or more results directories")
     names: dict[str, int] = {}
@@ -71,7 +166,7 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
 
         run_stages = [dict(s) for s in r.meta.get("stages") or []]
         frames.append(request_frame(r.requests, stages=run_stages, slo=slo_d,
-                                    endpoint_label=label))
+                                    endpoint_label=label, gaps=r.gaps))
         for s in run_stages:
             s["endpoint"] = label(str(s.get("endpoint")))
             stages.append(s)
@@ -81,9 +176,9 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
         for wname, desc in (r.meta.get("workloads") or {}).items():
             if isinstance(desc, dict):
                 workloads.setdefault(wname, desc)
-        gpus.append(_relabel(r.tables["gpu"], label))
-        engines.append(_relabel(r.tables["engine"], label))
-    frame = _concat(frames)
+        gpus.append(_relabel(r.gpu, label))
+        engines.append(_relabel(r.engine, label))
+    frame = concat(frames)
     return ReportData(frame=frame, runs=[r.meta for r in results],
                       paths=[r.path for r in results], gpu=pa.concat_tables(gpus),
                       engine=pa.concat_tables(engines), slo=slo_d, endpoints=endpoints,
@@ -105,20 +200,24 @@ def _relabel(t: pa.Table, label) -> pa.Table:
     return t.set_column(i, "endpoint", col)
 
 
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+def concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Frames of several runs as one: categories unioned, stage keys and ITL rows kept apart."""
     if len(frames) == 1:
         return frames[0]
     from pandas.api.types import union_categoricals
 
     cat_cols = [c for c in frames[0].columns if isinstance(frames[0][c].dtype,
                                                            pd.CategoricalDtype)]
-    # stage keys are per run: offset them so two runs' stages never collide
-    offset = 0
+    key_offset, row_offset = 0, 0
     parts = []
     for f in frames:
+        store = f.attrs["itl"]
         f = f.copy()
-        f["stage_key"] = f["stage_key"] + offset
-        offset = int(f["stage_key"].max()) + 1 if len(f) else offset
+        f["stage_key"] = f["stage_key"] + key_offset
+        key_offset = int(f["stage_key"].max()) + 1 if len(f) else key_offset
+        f["itl_row"] = f["itl_row"] + row_offset
+        row_offset += len(store)
+        f.attrs = {}
         parts.append(f)
     for c in cat_cols:
         if c == "prompt_bucket":
@@ -126,4 +225,6 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
         u = union_categoricals([p[c].array for p in parts])
         for p in parts:
             p[c] = pd.Categorical(p[c].astype(object), categories=u.categories)
-    return pd.concat(parts, ignore_index=True)
+    out = pd.concat(parts, ignore_index=True)
+    out.attrs["itl"] = GapStore.concat([f.attrs["itl"] for f in frames])
+    return out

@@ -64,7 +64,8 @@ def prefix_hits_lost(d: ReportData) -> list[Finding]:
     out = []
     f = d.frame
     engine_hits = M.engine_hit_ratio(d.engine)
-    for (ep, wl), sub in f.groupby(["endpoint", "workload"], observed=True):
+    lean = M.slim(f, ("endpoint", "workload", "server_replica", "session_id"))
+    for (ep, wl), sub in lean.groupby(["endpoint", "workload"], observed=True):
         desc = d.workloads.get(str(wl)) or {}
         theo = desc.get("theoretical_hit_ratio_unbounded")
         if theo is None or len(sub) < MIN_ROWS:
@@ -160,31 +161,38 @@ def hbm_full(d: ReportData) -> list[Finding]:
 def _reprefills(f: pd.DataFrame) -> dict[str, dict]:
     """Per endpoint, requests whose (session, replica) had a prefix hit before but now report
     (almost) nothing cached although they carry a shared prefix."""
-    rows = f[f["ok"] & f["cached_tokens"].notna() & (f["session_id"].cat.codes >= 0)]
-    if len(rows) == 0:
+    cached_all = f["cached_tokens"].to_numpy()
+    sess_all = f["session_id"].cat.codes.to_numpy()
+    sel = f["ok"].to_numpy() & ~np.isnan(cached_all) & (sess_all >= 0)
+    if not sel.any():
         return {}
-    rows = rows.sort_values(["session_id", "server_replica", "turn", "t_sent_ns"])
-    hit = (rows["cached_tokens"] > 0).to_numpy()
-    grp = rows["session_id"].cat.codes.to_numpy().astype(np.int64) * 1_000_003 \
-        + rows["server_replica"].cat.codes.to_numpy()
+    sess = sess_all[sel].astype(np.int64)
+    rep = f["server_replica"].cat.codes.to_numpy()[sel].astype(np.int64)
+    turn = f["turn"].to_numpy()[sel]
+    t = f["t_sent_ns"].to_numpy()[sel]
+    order = np.lexsort((t, turn, rep, sess))
+    cached = cached_all[sel][order]
+    shared = f["shared_prefix_tokens"].to_numpy()[sel][order]
+    hit = cached > 0
+    grp = sess[order] * 1_000_003 + rep[order]
     new_grp = np.r_[True, grp[1:] != grp[:-1]]
-    # any earlier hit in the same group: cumulative count of hits, reset per group
+    # hits earlier in the same group: running count of hits, reset at each group start
     csum = np.cumsum(hit)
     start = np.maximum.accumulate(np.where(new_grp, np.arange(len(hit)), 0))
     before = csum - hit - np.where(start > 0, csum[start - 1], 0)
     had_hit = before > 0
-    shared = rows["shared_prefix_tokens"].to_numpy()
-    again = had_hit & (shared >= 16) & (rows["cached_tokens"].to_numpy() <= 0.1 * shared)
+    again = had_hit & (shared >= 16) & (cached <= 0.1 * shared)
+    eps = f["endpoint"].cat.codes.to_numpy()[sel][order]
+    names = f["endpoint"].cat.categories
+    ttft = f["ttft_ms"].to_numpy()[sel][order]
     out = {}
-    eps = rows["endpoint"].astype(str).to_numpy()
-    ttft = rows["ttft_ms"].to_numpy()
-    for ep in np.unique(eps):
-        m = eps == ep
+    for code in np.unique(eps):
+        m = eps == code
         n_again, n_base = int((again & m).sum()), int((had_hit & m).sum())
         if n_again >= REPREFILL_MIN and n_again >= REPREFILL_SHARE * max(n_base, 1):
-            out[str(ep)] = {"count": n_again, "share": n_again / max(n_base, 1),
-                            "ttft_again": _median(ttft[again & m]),
-                            "ttft_hit": _median(ttft[m & hit])}
+            out[str(names[code])] = {"count": n_again, "share": n_again / max(n_base, 1),
+                                     "ttft_again": _median(ttft[again & m]),
+                                     "ttft_hit": _median(ttft[m & hit])}
     return out
 
 
@@ -213,6 +221,7 @@ def _endpoint_setting(d: ReportData, ep: str, header: str, keys: tuple[str, ...]
 def cross_region(d: ReportData) -> list[Finding]:
     out = []
     f = d.frame
+    f = f[["endpoint", "server_region", "ttft_ms", "ok"]]
     for ep, sub in f[f["ok"] & (f["server_region"].cat.codes >= 0)].groupby(
             "endpoint", observed=True):
         regions = sub["server_region"].astype(str)
@@ -249,6 +258,7 @@ def cross_region(d: ReportData) -> list[Finding]:
 def residency(d: ReportData) -> list[Finding]:
     out = []
     f = d.frame
+    f = f[["endpoint", "server_region", "ttft_ms", "ok"]]
     for ep, sub in f[f["ok"] & (f["server_region"].cat.codes >= 0)].groupby(
             "endpoint", observed=True):
         home = _endpoint_setting(d, str(ep), "x-kvbench-residency",
@@ -320,6 +330,8 @@ def hogwild(d: ReportData) -> list[Finding]:
 def loadgen_saturated(d: ReportData) -> list[Finding]:
     out = []
     f = d.frame
+    f = f[["endpoint", "ok", "lateness_ms", "ttft_ms", "server_queue_ms", "server_prefill_ms",
+           "server_kv_transfer_ms", "server_first_decode_ms", "server_region", "worker"]]
     for ep, sub in f.groupby("endpoint", observed=True):
         if len(sub) < MIN_ROWS:
             continue

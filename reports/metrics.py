@@ -54,6 +54,12 @@ DEFINITIONS = {
                  "without it, last response end minus first scheduled send per stage.",
 }
 
+FRAME_COLUMNS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
+                 "status", "error", "server_replica", "server_region", "stage", "turn",
+                 "http_status", "prompt_tokens", "prompt_tokens_client", "completion_tokens",
+                 "completion_tokens_client", "cached_tokens", "shared_prefix_tokens",
+                 "t_scheduled", "t_sent", "ttft_ns", "e2e_ns", "server_queue_ns",
+                 "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns")
 _STRING_COLS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
                 "status", "error", "server_replica", "server_region")
 
@@ -74,33 +80,99 @@ def _categorical(col: pa.ChunkedArray) -> pd.Categorical:
     return pd.Categorical.from_codes(codes, categories=cats)
 
 
-def chunk_gaps(offsets: pa.ChunkedArray | pa.Array, block: int = 4_000_000) -> pa.Array:
-    """Per request, the gaps between consecutive chunk offsets, as a large list of float32 ms.
+class GapStore:
+    """The pooled inter-token gaps of a frame's requests: flat float32 ms plus per-row offsets.
 
-    Done on the flat value buffer (no per-row Python); float32 halves memory at 1M x 50."""
-    if isinstance(offsets, pa.ChunkedArray):
-        offsets = offsets.combine_chunks() if offsets.num_chunks else pa.array(
-            [], pa.list_(pa.int64()))
-    lens = pc.fill_null(pc.list_value_length(offsets), 0).to_numpy(
-        zero_copy_only=False).astype(np.int64)
-    values = pc.list_flatten(offsets).to_numpy(zero_copy_only=False)
-    n_gaps = np.maximum(lens - 1, 0)
-    new_offsets = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(n_gaps, out=new_offsets[1:])
-    # A diff at flat position i is a real gap unless i is the last chunk of its request.
-    ends = np.cumsum(lens)
-    keep = np.ones(max(len(values) - 1, 0), bool)
-    last = ends[lens > 0] - 1
-    keep[last[last < len(keep)]] = False
-    out = np.empty(int(new_offsets[-1]), np.float32)
-    pos = 0
-    for s in range(0, len(keep), block):  # bounded temporaries
-        e = min(s + block, len(keep))
-        d = values[s + 1:e + 1] - values[s:e]
-        d = d[keep[s:e]]
-        out[pos:pos + len(d)] = d / NS_PER_MS
-        pos += len(d)
-    return pa.LargeListArray.from_arrays(pa.array(new_offsets), pa.array(out))
+    Kept outside the frame's columns (in ``frame.attrs["itl"]``, shared, never deep-copied) so
+    that subsetting a frame never copies 50M gaps; each row's ``itl_row`` points here."""
+
+    __slots__ = ("flat", "offsets")
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat = flat
+        self.offsets = offsets  # int64, rows + 1
+
+    def __deepcopy__(self, memo):  # immutable: pandas may deep-copy attrs on every subset
+        return self
+
+    def __copy__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @classmethod
+    def from_offsets(cls, offsets: pa.ChunkedArray | pa.Array, keep: np.ndarray | None = None,
+                     block: int = 4_000_000) -> "GapStore":
+        """Gaps between consecutive chunk offsets per request, done on the flat value buffer
+        (no per-row Python); rows where ``keep`` is False get no gaps."""
+        if isinstance(offsets, pa.ChunkedArray):
+            offsets = offsets.combine_chunks() if offsets.num_chunks else pa.array(
+                [], pa.list_(pa.int64()))
+        lens = pc.fill_null(pc.list_value_length(offsets), 0).to_numpy(
+            zero_copy_only=False).astype(np.int64)
+        values = pc.list_flatten(offsets).to_numpy(zero_copy_only=False)
+        n_gaps = np.maximum(lens - 1, 0)
+        ends = np.cumsum(lens)
+        # A diff at flat position i is a real gap unless i is the last chunk of its request
+        # (or its request is not kept).
+        keep_flat = np.ones(max(len(values) - 1, 0), bool)
+        last = ends[lens > 0] - 1
+        keep_flat[last[last < len(keep_flat)]] = False
+        if keep is not None and not np.all(keep):
+            drop = ~np.asarray(keep, bool) & (lens > 1)
+            starts = ends - lens
+            size = len(keep_flat) + 1
+            mark = (np.bincount(starts[drop], minlength=size)
+                    - np.bincount(ends[drop] - 1, minlength=size))
+            keep_flat &= np.cumsum(mark)[:-1] == 0
+            n_gaps = np.where(drop, 0, n_gaps)
+        new_offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(n_gaps, out=new_offsets[1:])
+        out = np.empty(int(new_offsets[-1]), np.float32)
+        pos = 0
+        for s in range(0, len(keep_flat), block):  # bounded temporaries
+            e = min(s + block, len(keep_flat))
+            d = values[s + 1:e + 1] - values[s:e]
+            d = d[keep_flat[s:e]]
+            out[pos:pos + len(d)] = d / NS_PER_MS
+            pos += len(d)
+        return cls(out, new_offsets)
+
+    @classmethod
+    def concat(cls, stores: Sequence["GapStore"]) -> "GapStore":
+        if len(stores) == 1:
+            return stores[0]
+        flat = np.concatenate([s.flat for s in stores]) if stores else np.zeros(0, np.float32)
+        offs, base = [np.zeros(1, np.int64)], 0
+        for s in stores:
+            offs.append(s.offsets[1:] + base)
+            base += int(s.offsets[-1])
+        return cls(flat, np.concatenate(offs))
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """The gaps of ``rows`` (row ids), pooled; a contiguous run of rows is a view."""
+        rows = np.asarray(rows, np.int64)
+        if len(rows) == 0:
+            return np.zeros(0, np.float32)
+        if rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
+            return self.flat[self.offsets[rows[0]]:self.offsets[rows[-1] + 1]]
+        starts = self.offsets[rows]
+        lens = self.offsets[rows + 1] - starts
+        total = int(lens.sum())
+        if total == 0:
+            return np.zeros(0, np.float32)
+        shift = np.repeat(starts - (np.cumsum(lens) - lens), lens)
+        return self.flat[shift + np.arange(total)]
+
+    def lists(self) -> list[list[float]]:
+        return [self.flat[a:b].tolist() for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+
+def chunk_gaps(offsets: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """Per request, the gaps (float32 ms) between consecutive chunk offsets, as a list array."""
+    g = GapStore.from_offsets(offsets)
+    return pa.LargeListArray.from_arrays(pa.array(g.offsets), pa.array(g.flat))
 
 
 def prompt_bucket_labels() -> list[str]:
@@ -149,8 +221,12 @@ def slo_met(frame_cols: Mapping[str, np.ndarray], classes: pd.Categorical,
 
 def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
                   slo: Mapping[str, object] | None = None,
-                  endpoint_label: Callable[[str], str] | None = None) -> pd.DataFrame:
+                  endpoint_label: Callable[[str], str] | None = None,
+                  gaps: "GapStore | None" = None) -> pd.DataFrame:
     """One row per request with every derived per-request value; see ``DEFINITIONS``.
+
+    Needs the columns in ``FRAME_COLUMNS`` (plus ``chunk_offsets_ns`` unless ``gaps`` gives
+    the requests' ITL gaps, with failed requests' gaps left out).
 
     ``stages``: run.json ``stages`` (their t_start_ns/t_end_ns give the wall time for rates);
     ``slo``: {class: SLO or dict with ttft_ms/tpot_ms/e2e_ms}."""
@@ -201,9 +277,13 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     key, wall = _stage_walls(table, cols, stages, e2e_ns)
     cols["stage_key"] = key
     cols["stage_wall_s"] = wall
-    gaps = chunk_gaps(table.column("chunk_offsets_ns"))
-    cols["itl_ms"] = pd.arrays.ArrowExtensionArray(gaps)
+    if gaps is None:
+        gaps = GapStore.from_offsets(table.column("chunk_offsets_ns"), keep=ok)
+    if len(gaps) != n:
+        raise ValueError(f"gap store has {len(gaps)} rows for {n} requests")
+    cols["itl_row"] = np.arange(n, dtype=np.int64)
     frame = pd.DataFrame(cols, index=pd.RangeIndex(n))
+    frame.attrs["itl"] = gaps
     return frame
 
 
@@ -248,28 +328,22 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
 
 
 def quantile(values: np.ndarray, q: float) -> float:
-    v = np.asarray(values, np.float64)
-    v = v[~np.isnan(v)]
+    v = _clean(values)
     return float(np.quantile(v, q)) if len(v) else math.nan
 
 
 def mean(values: np.ndarray) -> float:
-    v = np.asarray(values, np.float64)
-    v = v[~np.isnan(v)]
-    return float(v.mean()) if len(v) else math.nan
+    v = _clean(values)
+    return float(v.mean(dtype=np.float64)) if len(v) else math.nan
 
 
 def itl_values(frame: pd.DataFrame) -> np.ndarray:
-    """Pooled inter-token gaps (ms) of the successful requests in ``frame``."""
-    arr = frame["itl_ms"].array
-    pa_arr = arr._pa_array if hasattr(arr, "_pa_array") else pa.chunked_array([arr])
-    ok = frame["ok"].to_numpy()
-    if not ok.all():
-        pa_arr = pa_arr.filter(pa.array(ok))
-    flat = pc.list_flatten(pa_arr)
-    if isinstance(flat, pa.ChunkedArray):
-        flat = flat.combine_chunks() if flat.num_chunks else pa.array([], pa.float32())
-    return flat.to_numpy(zero_copy_only=False)
+    """Pooled inter-token gaps (ms) of the requests in ``frame`` (failed ones have none)."""
+    store = frame.attrs.get("itl")
+    if store is None:
+        raise ValueError("frame has no ITL gap store; build it with reports.metrics."
+                         "request_frame (and concatenate frames with reports.data.concat)")
+    return store.gather(frame["itl_row"].to_numpy())
 
 
 def wall_s(frame: pd.DataFrame) -> float:
@@ -471,8 +545,12 @@ def interval(estimate: float, replicates: np.ndarray, confidence: float = 0.95) 
 
 
 def _clean(values) -> np.ndarray:
-    v = np.asarray(values, np.float64)
-    return v[~np.isnan(v)]
+    """Floats without NaN; float32 stays float32 (ITL gaps), and a clean array is not copied."""
+    v = np.asarray(values)
+    if v.dtype not in (np.float32, np.float64):
+        v = v.astype(np.float64)
+    nan = np.isnan(v)
+    return v[~nan] if nan.any() else v
 
 
 def quantile_replicates(values: np.ndarray, q: float, resamples: int,
@@ -514,7 +592,7 @@ def quantile_replicates(values: np.ndarray, q: float, resamples: int,
 
 
 def mean_replicates(values: np.ndarray, resamples: int, rng: np.random.Generator,
-                    max_rows: int = 100_000) -> tuple[float, np.ndarray]:
+                    max_rows: int = 20_000) -> tuple[float, np.ndarray]:
     """Vectorised bootstrap replicates of the mean (blocks of resamples as one index matrix).
 
     Above ``max_rows`` it bootstraps a seeded subsample of ``max_rows`` and rescales the spread
@@ -523,7 +601,7 @@ def mean_replicates(values: np.ndarray, resamples: int, rng: np.random.Generator
     n = len(v)
     if n == 0:
         return math.nan, np.full(resamples, np.nan)
-    est = float(v.mean())
+    est = float(v.mean(dtype=np.float64))
     m = min(n, max_rows)
     sample = v if m == n else v[rng.choice(n, m, replace=False)]
     reps = np.empty(resamples)
@@ -535,7 +613,7 @@ def mean_replicates(values: np.ndarray, resamples: int, rng: np.random.Generator
 
 
 def ratio_replicates(num: np.ndarray, den: np.ndarray, resamples: int,
-                     rng: np.random.Generator, max_rows: int = 100_000
+                     rng: np.random.Generator, max_rows: int = 20_000
                      ) -> tuple[float, np.ndarray]:
     """Replicates of sum(num) / sum(den) over resampled rows (m-out-of-n above ``max_rows``)."""
     n = len(num)
@@ -628,7 +706,7 @@ def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
 
 
 def mean_bootstrap(values: np.ndarray, resamples: int = 1000, confidence: float = 0.95,
-                   seed: int = 0, max_rows: int = 100_000) -> CI:
+                   seed: int = 0, max_rows: int = 20_000) -> CI:
     return interval(*mean_replicates(values, resamples, np.random.default_rng(seed), max_rows),
                     confidence)
 
@@ -670,11 +748,23 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
             out.update({m.name: float(x) for m, x in zip(qs, vals)})
         for m in ms:
             if m.q is None:
-                out[m.name] = float(v.mean()) if len(v) else math.nan
+                out[m.name] = float(v.mean(dtype=np.float64)) if len(v) else math.nan
     return {n: out[n] for n in names}
 
 # --------------------------------------------------------------------------------------------
 # group-bys
+
+# Columns the registry's metrics read (besides the group keys).
+METRIC_COLUMNS = ("ok", "slo_met", "stage_key", "stage_wall_s", "prompt_tokens",
+                  "completion_tokens", "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
+                  "lateness_ms", "itl_row")
+
+
+def slim(frame: pd.DataFrame, keep: Iterable[str] = ()) -> pd.DataFrame:
+    """Only the columns metrics need (plus ``keep``): cheaper to subset and group."""
+    cols = list(dict.fromkeys([*keep, *METRIC_COLUMNS]))
+    return frame[cols]
+
 
 GROUP_KEYS = ("endpoint", "topology", "request_class", "stage", "prompt_bucket", "workload")
 
@@ -686,6 +776,7 @@ def summarise(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",),
     """One row per group of ``by`` with each metric as a column (groups in sorted order)."""
     names = [metric_name(m) for m in metrics]
     rows = []
+    frame = slim(frame, by)
     for key, sub in frame.groupby(list(by), observed=True, sort=True):
         if len(sub) < min_rows:
             continue
@@ -698,17 +789,18 @@ def summarise(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",),
 
 
 def cdf_points(values: np.ndarray, points: int = 200) -> tuple[np.ndarray, np.ndarray]:
-    """(x, F(x)) at ``points`` quantile levels: plots a CDF without shipping raw points."""
-    v = np.asarray(values, np.float64)
-    v = v[~np.isnan(v)]
+    """(x, F(x)) for plotting a CDF without shipping raw points: quantiles at ``points``
+    levels, or above 1M values a histogram on log-spaced bins (exact at the bin edges, O(n))."""
+    v = _clean(values)
     if len(v) == 0:
         return np.zeros(0), np.zeros(0)
+    if len(v) > 1_000_000:
+        lo = max(float(v.min()), 1e-3)
+        hi = max(float(v.max()), lo * 1.001)
+        logs = np.log(np.maximum(v, lo, dtype=np.float32))
+        counts, edges = np.histogram(logs, bins=points * 4, range=(math.log(lo),
+                                                                   math.log(hi) + 1e-9))
+        return np.exp(edges[1:]), np.cumsum(counts) / len(v)
     levels = np.concatenate([np.linspace(0, 0.99, points - 40, endpoint=False),
                              np.linspace(0.99, 1.0, 40)])
-    if len(v) > 2_000_000:  # a histogram on log bins is exact at its edges and O(n)
-        lo, hi = max(float(v.min()), 1e-6), max(float(v.max()), 1e-6)
-        edges = np.geomspace(lo, hi * (1 + 1e-9), points * 4) if hi > lo else np.array([lo, hi])
-        counts, edges = np.histogram(np.clip(v, lo, None), bins=edges)
-        cdf = np.cumsum(counts) / len(v)
-        return edges[1:], cdf
     return np.quantile(v, levels), levels

@@ -41,12 +41,13 @@ def _times_rel_s(frame: pd.DataFrame) -> np.ndarray:
 def cdfs(d: ReportData, itl_cache: dict[str, np.ndarray]) -> list[Figure]:
     out = []
     f = d.frame
+    ep_col = f["endpoint"].to_numpy()
     for key, col, title in (("cdf_ttft", "ttft_ms", "CDF of TTFT"),
                             ("cdf_itl", "itl_ms", "CDF of inter-token latency (ITL)"),
                             ("cdf_e2e", "e2e_ms", "CDF of end-to-end latency (E2E)")):
         fig = go.Figure()
         for ep in d.endpoint_names:
-            v = itl_cache[ep] if col == "itl_ms" else f.loc[f["endpoint"] == ep, col].to_numpy()
+            v = itl_cache[ep] if col == "itl_ms" else f[col].to_numpy()[ep_col == ep]
             x, y = M.cdf_points(v)
             if len(x):
                 fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=ep))
@@ -84,7 +85,8 @@ def load_curves(d: ReportData, stage_table: pd.DataFrame) -> list[Figure]:
 
 
 def ttft_vs_prompt(d: ReportData, costmodel=None, costmodel_error: str = "") -> Figure:
-    f = d.frame[d.frame["ok"] & d.frame["prompt_tokens"].notna()]
+    f = d.frame[["ok", "prompt_tokens", "ttft_ms", "completion_tokens", "topology"]]
+    f = f[f["ok"].to_numpy() & f["prompt_tokens"].notna().to_numpy()]
     fig = go.Figure()
     rng = np.random.default_rng(0)
     p_max = float(f["prompt_tokens"].max()) if len(f) else 1.0

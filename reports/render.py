@@ -100,7 +100,9 @@ def cost_per_m_output(d: ReportData, ep: str, output_tokens: float, wall_s: floa
 def build_context(d: ReportData, title: str | None = None) -> dict:
     f = d.frame
     eps = d.endpoint_names
-    per_ep = {ep: f[f["endpoint"] == ep] for ep in eps}
+    lean = M.slim(f, ("endpoint", "topology"))
+    ep_col = lean["endpoint"].to_numpy()
+    per_ep = {ep: lean[ep_col == ep] for ep in eps}
     itl_cache = {ep: M.itl_values(sub) for ep, sub in per_ep.items()}
     values: dict[str, dict[str, float]] = {}
     cis: dict[str, dict[str, M.CI]] = {}
@@ -132,7 +134,10 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
     stage_table = _stage_table(d)
     by_stage = _table_rows(stage_table, ["endpoint", "workload", "stage", "offered"]) \
         if not stage_table.empty else []
-    by_topology = _group_tables(f, "topology") if f["topology"].nunique() > 1 else []
+    # by topology alone, when endpoints share one (otherwise it repeats the summary)
+    by_topology = (_table_rows(M.summarise(f, by=["topology"], metrics=GROUP_METRICS),
+                               ["topology"], mark_within=None)
+                   if 1 < f["topology"].nunique() < len(eps) else [])
     by_bucket = _group_tables(f, "prompt_bucket", metrics=("ttft_p50", "ttft_p99",
                                                            "tpot_p50", "hit_ratio"))
     errors = M.error_breakdown(f[~f["ok"]], by=("endpoint",)) if (~f["ok"]).any() else None

@@ -210,3 +210,22 @@ def test_bootstrap_replicates_are_seeded_and_sized():
         assert len(reps) == 300 and est == est2 and np.array_equal(reps, reps2), name
         assert est == pytest.approx(M.statistic(f, name)), name
         assert np.nanstd(reps) > 0, name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 10**9), max_size=6), st.booleans()),
+                min_size=1, max_size=15), st.data())
+def test_gap_store_keep_and_gather(rows, data):
+    offsets = [sorted(x) for x, _ in rows]
+    keep = np.array([k for _, k in rows])
+    g = M.GapStore.from_offsets(pa.array(offsets, pa.list_(pa.int64())), keep=keep)
+    want = [[(b - a) / 1e6 for a, b in zip(x, x[1:])] if k else [] for x, k in
+            zip(offsets, keep)]
+    for got, w in zip(g.lists(), want):
+        assert got == pytest.approx(w, rel=1e-6, abs=1e-3)
+    pick = np.array(data.draw(st.lists(st.integers(0, len(rows) - 1), max_size=10)), np.int64)
+    pooled = [v for i in pick for v in want[i]]
+    assert g.gather(pick).tolist() == pytest.approx(pooled, rel=1e-6, abs=1e-3)
+    both = M.GapStore.concat([g, g])
+    assert both.gather(np.array([len(rows) + i for i in pick], np.int64)).tolist() == \
+        pytest.approx(pooled, rel=1e-6, abs=1e-3)
