@@ -24,7 +24,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
                    help="KV capacity for the LRU hit ratio (default: the workload's "
                    "working_set.kv_capacity_tokens, else none)")
     d.add_argument("--block-tokens", type=int, default=None, metavar="N",
-                   help="KV block size in tokens (default 16; Mooncake traces: 512)")
+                   help="KV block size in tokens (default 16; Mooncake traces always use "
+                   "their 512-token hash_ids blocks)")
     d.add_argument("--json", action="store_true", help="print the summaries as JSON")
     g = sub.add_parser("generate", help="write a workload's requests as JSON lines",
                        description="Write every request of a workload (sessions answered "
