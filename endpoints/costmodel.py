@@ -115,8 +115,8 @@ def ttft_ms(prompt_tokens: int, cached_tokens: int = 0, *,
             step_token_budget: int = STEP_TOKEN_BUDGET, **roofline) -> float:
     """Unloaded colocated TTFT: front end, then chunked prefill of the uncached tokens (each
     chunk a roofline step that also reads the context's KV)."""
-    todo = max(1, prompt_tokens - cached_tokens)
-    done = cached_tokens
+    done = max(0, min(cached_tokens, prompt_tokens - 1))  # the last token is always computed
+    todo = prompt_tokens - done
     total = frontend_ms(prompt_tokens)
     while todo > 0:
         chunk = min(todo, step_token_budget)
