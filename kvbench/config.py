@@ -216,6 +216,11 @@ def load_config(path: Path | str = "bench.toml") -> BenchConfig:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid TOML ({exc}); fix the syntax at that place") from None
+    # Trace paths in a config are relative to the config file, not to the current directory.
+    for w in (data.get("workloads") or {}).values():
+        if isinstance(w, dict) and w.get("kind") == "trace" and isinstance(w.get("path"), str) \
+                and not Path(w["path"]).is_absolute():
+            w["path"] = str(path.parent / w["path"])
     return parse_config(data, path)
 
 
