@@ -66,17 +66,20 @@ class Cell:
     ci: str = ""
 
 
-def _best(values: Sequence[float], higher: bool) -> set[int]:
+def _best(values: Sequence[float], higher: bool, unit: str = "") -> set[int]:
+    """Indices of the best value; values that print the same as the best tie with it."""
     finite = [(i, v) for i, v in enumerate(values) if v is not None and not math.isnan(v)]
     if len(finite) < 2:
         return set()
     target = max(v for _, v in finite) if higher else min(v for _, v in finite)
-    return {i for i, v in finite if v == target}
+    shown = fmt(target, unit)
+    best = {i for i, v in finite if v == target or fmt(v, unit) == shown}
+    return set() if len(best) == len(finite) else best
 
 
 def _row(label: str, unit: str, values: list[float], higher: bool | None,
          cis: list[M.CI | None] | None = None, unit_fmt: str | None = None) -> dict:
-    best = _best(values, higher) if higher is not None else set()
+    best = _best(values, higher, unit_fmt or unit) if higher is not None else set()
     cells = []
     for i, v in enumerate(values):
         ci = ""
@@ -236,7 +239,7 @@ def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None
         for _, grp in t.groupby(mark_within, sort=False, observed=True):
             for c in metric_cols:
                 info = M.METRIC_INFO[c]
-                for i in _best(list(grp[c]), info.higher_is_better):
+                for i in _best(list(grp[c]), info.higher_is_better, info.unit):
                     best.setdefault((grp.index[i],), set()).add(c)
     rows = []
     for idx, r in t.iterrows():
