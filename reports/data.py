@@ -70,19 +70,24 @@ def _read_run(path: Path | str) -> _Run:
     tables, gap_parts = [], []
     pfile = run_dir / "requests.parquet"
     if pfile.exists():
+        from concurrent.futures import ThreadPoolExecutor
+
         pf = pq.ParquetFile(pfile)
         have = set(pf.schema_arrow.names)
         cols = [c for c in FRAME_COLUMNS if c in have]
-        t = pf.read(columns=cols)
-        t = _conform(t, schema)
+        # Decoding and numpy both release the GIL: the scalar columns, the chunk batches and
+        # their gaps are worked on at the same time (separate file handles per thread).
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            scalar = pool.submit(lambda: pq.ParquetFile(pfile).read(columns=cols))
+            futures = []
+            if "chunk_offsets_ns" in have:
+                for batch in pf.iter_batches(batch_size=BATCH_ROWS,
+                                             columns=["chunk_offsets_ns", "status"]):
+                    futures.append(pool.submit(_batch_gaps, batch))
+            t = _conform(scalar.result(), schema)
+            gap_parts.extend(f.result() for f in futures)
         tables.append(t)
-        if "chunk_offsets_ns" in have:
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS,
-                                         columns=["chunk_offsets_ns", "status"]):
-                ok = pc.fill_null(pc.equal(batch.column(1), "ok"), False).to_numpy(
-                    zero_copy_only=False)
-                gap_parts.append(GapStore.from_offsets(batch.column(0), keep=ok))
-        else:
+        if "chunk_offsets_ns" not in have:
             gap_parts.append(GapStore(np.zeros(0, np.float32), np.zeros(t.num_rows + 1,
                                                                          np.int64)))
     live = read_shards(run_dir, "requests")
@@ -97,6 +102,11 @@ def _read_run(path: Path | str) -> _Run:
         np.zeros(0, np.float32), np.zeros(1, np.int64))
     return _Run(run_dir, meta, requests, gaps, _read_table(run_dir, "gpu"),
                 _read_table(run_dir, "engine"))
+
+
+def _batch_gaps(batch: pa.RecordBatch) -> GapStore:
+    ok = pc.fill_null(pc.equal(batch.column(1), "ok"), False).to_numpy(zero_copy_only=False)
+    return GapStore.from_offsets(batch.column(0), keep=ok)
 
 
 def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
