@@ -158,10 +158,10 @@ def test_round_robin_prefix_hit_rate_far_below_cache_aware_on_rag_over_4_replica
     async def go():
         rates = {}
         for strategy in ("ROUND_ROBIN", "REGIONAL"):
-            srv = await _serve("routed", time_scale=0.1, regions=1, replicas_per_region=4,
+            srv = await _serve("routed", time_scale=0.2, regions=1, replicas_per_region=4,
                                router=strategy, kv_capacity_tokens=9216)
             try:
-                reps = await _load(srv.url, prompts, 4, 0.0, concurrency=6)
+                reps = await _load(srv.url, prompts, 4, 0.0, concurrency=4)
             finally:
                 await srv.stop()
             assert all(r.status == 200 for r in reps)
@@ -178,23 +178,26 @@ def test_round_robin_prefix_hit_rate_far_below_cache_aware_on_rag_over_4_replica
 def test_offload_costs_a_few_percent_at_low_pressure():
     ts = 0.25
     docs = [TEXT.segment(f"lowdoc{d}", 1024) for d in range(3)]
-    prompts = [docs[i % 3] + TEXT.segment(f"lowq{i}", 32) for i in range(12)]
+    prompts = [docs[i % 3] + TEXT.segment(f"lowq{i}", 32) for i in range(8)]
 
     async def go():
-        e2e = {}
+        e2e, busy = {}, {}
         for mode in ("NATIVE_ONLY", "LMCACHE"):
             srv = await _serve("offloaded", time_scale=ts, offload=mode)
             try:
-                reps = await _load(srv.url, prompts, 24, 0.0, concurrency=4)
+                reps = await _load(srv.url, prompts, 24, 0.0, concurrency=1)
+                busy[mode] = srv.cluster.engines[0].busy_s
             finally:
                 await srv.stop()
             assert all(r.status == 200 for r in reps)
             e2e[mode] = np.mean([r.e2e_s for r in reps])
-        return e2e
+        return e2e, busy
 
-    e2e = run(go())
-    overhead = e2e["LMCACHE"] / e2e["NATIVE_ONLY"] - 1
-    assert 0.005 < overhead < 0.09, overhead  # seed: 3-5%
+    e2e, busy = run(go())
+    # seed: 3-5% overhead. The modelled GPU time is exact; the wall-clock latency carries the
+    # host's jitter on top.
+    assert 0.025 <= busy["LMCACHE"] / busy["NATIVE_ONLY"] - 1 <= 0.05, busy
+    assert -0.01 < e2e["LMCACHE"] / e2e["NATIVE_ONLY"] - 1 < 0.10, e2e
 
 
 def test_offload_wins_when_kv_working_set_exceeds_hbm():
