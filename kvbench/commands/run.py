@@ -94,7 +94,8 @@ def run(args) -> int:
             model, ctx_tokens = _preflight(ep, url, workloads)
             ep_info.append({"name": ep.name, "topology": ep.topology, "url": url, "model": model,
                             "kind": ep.kind, "gpus": ep.gpus, "gpu_hour_cost": ep.gpu_hour_cost,
-                            "max_context_tokens": ctx_tokens})
+                            "max_context_tokens": ctx_tokens,
+                            "metrics_url": getattr(ep, "metrics_url", None)})
         run_dir.mkdir(parents=True, exist_ok=True)
         collectors = _start_collectors(run_dir, cfg, ep_info, meta_extra)
         jobs = _jobs(cfg, ep_info, wl_names, prof_names, args.duration_scale)
@@ -286,7 +287,7 @@ def _start_collectors(run_dir, cfg, ep_info, meta_extra):
         meta_extra["incomplete"].append({"what": "telemetry", "why": "collectors not installed"})
         return None
     eps = [{"name": e["name"], "url": e["url"], "topology": e["topology"],
-            "metrics_url": e["url"] + "/metrics"} for e in ep_info]
+            "metrics_url": e.get("metrics_url")} for e in ep_info]
     try:
         return start_collectors(run_dir, cfg.collect, eps)
     except Exception as exc:  # noqa: BLE001 - load still runs without telemetry
