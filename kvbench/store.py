@@ -124,9 +124,9 @@ class Results:
         return self.tables["requests"]
 
 
-def load_results(path: Path | str) -> Results:
-    """Read one run directory: run.json plus every table (parquet, then live shards)."""
-    run_dir = Path(path)
+def read_meta(run_dir: Path | str) -> dict:
+    """run.json of a run directory, checked: present, readable, of this schema version."""
+    run_dir = Path(run_dir)
     meta_path = run_dir / "run.json"
     if not meta_path.exists():
         raise DataError(f"{run_dir}: no run.json there; give a results directory written by "
@@ -139,14 +139,25 @@ def load_results(path: Path | str) -> Results:
     if ver != SCHEMA_VERSION:
         raise DataError(f"{meta_path}: results of schema version {ver}, this kvbench reads "
                         f"version {SCHEMA_VERSION}; use the kvbench version that wrote them")
-    tables = {}
-    for name, schema in TABLES.items():
-        parts = []
-        pfile = run_dir / f"{name}.parquet"
-        if pfile.exists():
-            parts.append(pq.read_table(pfile).cast(schema))
-        live = read_shards(run_dir, name)
-        if live.num_rows:
-            parts.append(live)
-        tables[name] = pa.concat_tables(parts) if parts else schema.empty_table()
-    return Results(run_dir, meta, tables)
+    return meta
+
+
+def read_table(run_dir: Path | str, name: str) -> pa.Table:
+    """One table of a run: its parquet (if compacted) plus any live shards."""
+    run_dir = Path(run_dir)
+    schema = TABLES[name]
+    parts = []
+    pfile = run_dir / f"{name}.parquet"
+    if pfile.exists():
+        parts.append(pq.read_table(pfile).cast(schema))
+    live = read_shards(run_dir, name)
+    if live.num_rows:
+        parts.append(live)
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+def load_results(path: Path | str) -> Results:
+    """Read one run directory: run.json plus every table (parquet, then live shards)."""
+    run_dir = Path(path)
+    meta = read_meta(run_dir)
+    return Results(run_dir, meta, {name: read_table(run_dir, name) for name in TABLES})

@@ -9,15 +9,13 @@ from typing import Mapping, Sequence
 import pandas as pd
 import pyarrow as pa
 
-import json
-
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kvbench.errors import DataError
-from kvbench.schema import SCHEMA_VERSION, TABLES
-from kvbench.store import read_shards
+from kvbench.schema import TABLES
+from kvbench.store import read_meta, read_shards, read_table
 from reports.metrics import FRAME_COLUMNS, GapStore, request_frame
 
 BATCH_ROWS = 65_536  # requests per streamed batch when deriving ITL gaps
@@ -33,39 +31,11 @@ class _Run:
     engine: pa.Table
 
 
-def _read_meta(run_dir: Path) -> dict:
-    """run.json, checked as kvbench.store.load_results checks it."""
-    meta_path = run_dir / "run.json"
-    if not meta_path.exists():
-        raise DataError(f"{run_dir}: no run.json there; give a results directory written by "
-                        "kvbench run or a locustfile")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except ValueError as exc:
-        raise DataError(f"{meta_path}: unreadable run.json ({exc}); rerun or restore it") from None
-    ver = meta.get("schema_version")
-    if ver != SCHEMA_VERSION:
-        raise DataError(f"{meta_path}: results of schema version {ver}, this kvbench reads "
-                        f"version {SCHEMA_VERSION}; use the kvbench version that wrote them")
-    return meta
-
-
-def _read_table(run_dir: Path, name: str) -> pa.Table:
-    parts = []
-    pfile = run_dir / f"{name}.parquet"
-    if pfile.exists():
-        parts.append(pq.read_table(pfile).cast(TABLES[name]))
-    live = read_shards(run_dir, name)
-    if live.num_rows:
-        parts.append(live)
-    return pa.concat_tables(parts) if parts else TABLES[name].empty_table()
-
-
 def _read_run(path: Path | str) -> _Run:
     """Like kvbench.store.load_results, but the requests' chunk lists are streamed in batches
     and turned into ITL gaps at once: 1M requests x 50 chunks never sit in memory twice."""
     run_dir = Path(path)
-    meta = _read_meta(run_dir)
+    meta = read_meta(run_dir)
     schema = TABLES["requests"]
     tables, gap_parts = [], []
     pfile = run_dir / "requests.parquet"
@@ -100,8 +70,8 @@ def _read_run(path: Path | str) -> _Run:
         list(FRAME_COLUMNS))
     gaps = GapStore.concat(gap_parts) if gap_parts else GapStore(
         np.zeros(0, np.float32), np.zeros(1, np.int64))
-    return _Run(run_dir, meta, requests, gaps, _read_table(run_dir, "gpu"),
-                _read_table(run_dir, "engine"))
+    return _Run(run_dir, meta, requests, gaps, read_table(run_dir, "gpu"),
+                read_table(run_dir, "engine"))
 
 
 def _batch_gaps(batch: pa.RecordBatch) -> GapStore:
