@@ -66,7 +66,7 @@ class Seq:
                  "held", "anon", "cached_tokens", "load_ms", "first_admit", "waiter",
                  "finished", "error", "cancelled", "replica", "region", "prefilled",
                  "t_arrival", "t_scheduled", "t_prefill_done", "t_transfer_done", "t_first",
-                 "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms")
+                 "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms", "sink")
 
     def __init__(self, rid: str, n_prompt: int, hashes: list[int], max_tokens: int,
                  t_arrival: float):
@@ -99,8 +99,13 @@ class Seq:
         self.engine: Engine | None = None
         self.kv_transfer_ms = 0.0
         self.network_ms = 0.0
+        # Called with this Seq when tokens are ready (the server writes them to the socket
+        # right here); None: the handler task is woken through ``waiter`` instead.
+        self.sink: Callable[[Seq], None] | None = None
 
     def notify(self) -> None:
+        if self.sink is not None:
+            self.sink(self)
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -466,6 +471,8 @@ class Engine:
                 self.ttft.observe(now - s.t_arrival)
             if s.generated >= s.max_tokens:
                 done.append(s)
+            elif s.sink is not None:
+                s.sink(s)
             else:
                 w = s.waiter
                 if w is not None and not w.done():

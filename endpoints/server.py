@@ -340,24 +340,69 @@ async def _stream(request: web.Request, st: State, seq: Seq, chat: bool, include
     base = zlib.crc32(rid.encode())
     words = st.word_bytes
     loop = asyncio.get_running_loop()
+    def pending(a: int, b: int) -> bytes:
+        last = seq.max_tokens
+        parts = []
+        for i in range(a, b):
+            parts.append(pre)
+            parts.append(words[(base + i * 2654435761) & 4095])
+            parts.append(mid)
+            parts.append(tail_last if i + 1 == last else tail_open)
+        return b"".join(parts)
+
+    fast = not (faults.malformed or faults.reset or faults.stall_mid_ms)
     try:
         await resp.prepare(request)
-        if first:
-            await resp.write(first)
-        sent = 0
+        sent = seq.generated
+        await resp.write(first + pending(0, sent))  # the headers go out with it
+        writer = getattr(resp, "_payload_writer", None)
+        if fast and writer is not None and hasattr(writer, "_write_chunked_payload"):
+            # Fast path: the engine's step writes each stream's new events straight to its
+            # socket (aiohttp's chunked framing, no task wake-up per token).
+            state = [sent]
+
+            def sink(s: Seq) -> None:
+                n = s.generated
+                if n > state[0]:
+                    data = pending(state[0], n)
+                    state[0] = n
+                    try:
+                        if writer.chunked:
+                            writer._write_chunked_payload(data)
+                        else:
+                            writer._write(data)
+                    except Exception:
+                        s.cancelled = True
+                        s.sink = None
+                    else:
+                        if writer.buffer_size > 0x10000:  # slow reader: the handler drains
+                            s.sink = None
+                if s.finished:
+                    s.sink = None
+                if s.sink is None:  # hand back to the handler task
+                    w = s.waiter
+                    if w is not None and not w.done():
+                        w.set_result(None)
+
+            while not seq.finished and not seq.cancelled:
+                seq.sink = sink
+                await _wait(seq, lambda: seq.finished or seq.sink is None or seq.cancelled)
+                seq.sink = None
+                if seq.cancelled:
+                    return resp
+                if writer.buffer_size > 0x10000:
+                    writer.buffer_size = 0
+                    await writer.drain()
+                if seq.generated > state[0]:
+                    await resp.write(pending(state[0], seq.generated))
+                    state[0] = seq.generated
+            sent = state[0]
         half = max(1, seq.max_tokens // 2)
         mid_done = False
         while True:
             n = seq.generated
             if n > sent:
-                last = seq.max_tokens
-                parts = []
-                for i in range(sent, n):
-                    parts.append(pre)
-                    parts.append(words[(base + i * 2654435761) & 4095])
-                    parts.append(mid)
-                    parts.append(tail_last if i + 1 == last else tail_open)
-                await resp.write(b"".join(parts))
+                await resp.write(pending(sent, n))
                 sent = n
             if not mid_done and sent >= half and sent < seq.max_tokens:
                 mid_done = True
