@@ -11,6 +11,8 @@ from endpoints.engine import Engine, Histogram
 MIB = 1024 * 1024
 
 
+_PCIE_LAST: dict[int, tuple[float, float]] = {}  # engine -> (loop time s, bytes moved)
+
 def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
@@ -155,7 +157,11 @@ def render(cluster: Cluster) -> str:
               "modelName": res.hw_name, "Hostname": cfg.hostname, "role": e.role,
               "engine": e.name}
         power = hwp.idle_watts + (hwp.tdp_watts - hwp.idle_watts) * min(1.0, 0.6 * sm + 0.4 * dram)
-        pcie = sum(v for (t, _), v in e.bytes_moved.items() if t in ("dram", "disk"))
+        moved = sum(v for (t, _), v in e.bytes_moved.items() if t in ("dram", "disk"))
+        # dcgm-exporter reports PCIe traffic as a rate (bytes/s) since the previous sample.
+        last_t, last_b = _PCIE_LAST.get(id(e), (now, moved))
+        _PCIE_LAST[id(e)] = (now, moved)
+        pcie = (moved - last_b) / (now - last_t) if now > last_t else 0.0
         rows.append((dl, busy, sm, dram, fb_used, power, pcie))
     for name, help_text, idx, conv in (
             ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", 1, lambda v: round(v * 100)),
@@ -172,7 +178,7 @@ def render(cluster: Cluster) -> str:
             ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", 4,
              lambda v: int(max(0.0, hw_total - v) // MIB)),
             ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", 5, float),
-            ("DCGM_FI_PROF_PCIE_TX_BYTES", "The number of bytes of active PCIe tx data.", 6,
+            ("DCGM_FI_PROF_PCIE_TX_BYTES", "Rate of PCIe tx data (bytes per second).", 6,
              float)):
         out.family(name, "gauge", help_text)
         for row in rows:
