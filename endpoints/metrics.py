@@ -13,6 +13,7 @@ MIB = 1024 * 1024
 
 _PCIE_LAST: dict[int, tuple[float, float]] = {}  # engine -> (loop time s, bytes moved)
 
+
 def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
