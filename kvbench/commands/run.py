@@ -429,24 +429,23 @@ def _finish(run_dir, run_id, cfg, started_ns, ep_info, workloads, extra, results
 
 
 def _summary(run_dir: Path, counts: dict) -> None:
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+    """A few numbers per endpoint, computed with the reports' metric definitions."""
+    from kvbench.store import load_results
+    from reports import metrics as M
 
-    path = run_dir / "requests.parquet"
-    if not path.exists():
+    res = load_results(run_dir)
+    if res.requests.num_rows == 0:
         print(f"kvbench run: no requests recorded; results in {run_dir}")
         return
-    t = pq.read_table(path, columns=["endpoint", "status", "ttft_ns"])
-    print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'TTFT p50 ms':>12}")
-    for ep in sorted(set(t.column("endpoint").to_pylist())):
-        sub = t.filter(pc.equal(t.column("endpoint"), ep))
-        status = sub.column("status")
-        ok_mask = pc.equal(status, "ok")
-        n_ok = pc.sum(ok_mask).as_py() or 0
-        n_err = len(sub) - n_ok - (pc.sum(pc.equal(status, "cancelled")).as_py() or 0)
-        ttft = sub.filter(ok_mask).column("ttft_ns").drop_null()
-        p50 = (pc.quantile(ttft, 0.5)[0].as_py() / 1e6) if len(ttft) else float("nan")
-        print(f"{ep:<16} {len(sub):>8} {n_ok:>6} {n_err:>6} {p50:>12.1f}")
+    frame = M.request_frame(res.requests, stages=res.meta.get("stages") or ())
+    print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'TTFT p50 ms':>12} "
+          f"{'TPOT p50 ms':>12}")
+    for ep in frame["endpoint"].cat.categories:
+        sub = frame[frame["endpoint"] == ep]
+        n_ok = int(sub["ok"].sum())
+        print(f"{ep:<16} {len(sub):>8} {n_ok:>6} {len(sub) - n_ok:>6} "
+              f"{M.statistic(sub, 'ttft_p50'):>12.1f} {M.statistic(sub, 'tpot_p50'):>12.1f}")
     print(f"kvbench run: {counts['records_written']} records of {counts['requests_started']} "
           f"requests started, {counts['dropped_at_cap']} dropped at the in-flight cap; "
           f"results in {run_dir}")
+    print(f"next: kvbench report {run_dir} -o report.html")
