@@ -44,6 +44,14 @@ SCRIPT = textwrap.dedent("""
         fast = StreamingClient(pool, deadline_s=0.3)
         r = fast.post_stream("/v1/completions", body, headers={"x-test-fault": "hang"})
         out["deadline"] = [r.status, r.error]
+        # read timeout: one timer a request, re-armed from the last read; a 340 ms stream
+        # whose gaps are all under 150 ms is fine, silence after the headers is not
+        idle = StreamingClient(ConnectionPool(Target.parse(url), read_timeout_s=0.15),
+                               deadline_s=10)
+        r = idle.post_stream("/v1/completions", body)
+        out["idle_ok"] = [r.status, len(r.offsets_ns), r.e2e_ns]
+        r = idle.post_stream("/v1/completions", body, headers={"x-test-fault": "hang"})
+        out["idle_hang"] = [r.status, r.error, r.e2e_ns]
         r = c.post_stream("/v1/completions", body.replace(b"test-model", b"nope"))
         out["http"] = [r.status, r.http_status, r.error]
         out["log"] = orjson.loads(urllib.request.urlopen(url + "/log").read())
@@ -82,6 +90,8 @@ def test_light_load_timings_match_the_server_log():
     assert 0 <= ttft_err[len(ttft_err) // 2] < 3e6
     assert out["cold_status"] == "ok" and out["cold_connect"] > 0
     assert out["deadline"][0] == "timeout"
+    assert out["idle_ok"][:2] == ["ok", 30] and out["idle_ok"][2] > 0.3e9
+    assert out["idle_hang"][0] == "timeout" and "socket timeout" in out["idle_hang"][1]
     assert out["http"][:2] == ["http_error", 404] and "does not exist" in out["http"][2]
 
 
