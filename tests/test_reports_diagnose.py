@@ -13,14 +13,14 @@ from reports.synthetic import (T0_NS, EndpointShape, RunShape, engine_table, run
 
 
 def make(tmp_path, shape: RunShape, *, workloads=None, config=None, engine=None, mutate=None,
-         extra_tables=(), name="run"):
+         extra_tables=(), name="run", **meta_extra):
     table, stages = synth_table(shape)
     for t, st in extra_tables:
         table = pa.concat_tables([table, t])
         stages = stages + st
     if mutate is not None:
         table = mutate(table)
-    meta = run_meta(shape, stages, workloads=workloads, config=config)
+    meta = run_meta(shape, stages, workloads=workloads, config=config, **meta_extra)
     write_run(tmp_path / name, table, meta, engine=engine)
     return load([tmp_path / name])
 
@@ -41,8 +41,101 @@ def test_healthy_run_has_no_finding(tmp_path):
 
 
 # prefix hits lost (round robin) ---------------------------------------------------------------
+# The synthetic endpoints report cached = hit_fraction x shared_prefix_tokens, and
+# shared_prefix_tokens is 30-90% of the prompt, so the measured ratio is about 0.6 x hit_fraction.
 
-def test_prefix_hits_lost_fires_from_cached_tokens(tmp_path):
+def sent(theo, *, lru=None, per_replica=None, requests=200, elsewhere=None, replicas=4):
+    return {"requests": requests, "requests_sent": requests,
+            "theoretical_hit_ratio_unbounded": theo, "theoretical_hit_ratio_lru": lru,
+            "capacity_tokens": 100_000 if lru is not None else None, "block_tokens": 16,
+            "theoretical_hit_ratio_per_replica": per_replica, "replicas": replicas,
+            "requests_hit_elsewhere": elsewhere}
+
+
+def measured_of(d, ep):
+    from reports import metrics as M
+    return M.hit_ratio(d.frame[d.frame["endpoint"] == ep])
+
+
+def test_prefix_hits_lost_fires_against_what_was_sent(tmp_path):
+    shape = RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.5)],
+                     sessions_turns=3)
+    d0 = make(tmp_path, shape, name="probe")
+    m = measured_of(d0, "rr")
+    assert 0.25 < m < 0.35
+    theo = m / 0.6  # realises 60% of the reachable hits
+    d = make(tmp_path, shape, workloads={"mix": {"theoretical_hit_ratio_unbounded": 0.99}},
+             workloads_sent={"rr": {"mix": sent(theo, per_replica=m, elsewhere=40)}})
+    (f,) = rules(d, "prefix_hits_lost")
+    assert f.numbers["theoretical"] == pytest.approx(theo)  # not the whole workload's 0.99
+    assert f.numbers["measured"] == pytest.approx(m)
+    assert f.numbers["per_replica"] == pytest.approx(m) and f.numbers["replicas"] == 4
+    text = " ".join(f"{k} {v}" for k, v in f.evidence)
+    assert "requests sent" in text and "40 of 200" in text and "served by more than one" in text
+    assert "round robin" in f.cause and "prefix hash" in f.fix
+    assert f.severity == "critical" and f.endpoint == "rr"
+
+
+def test_prefix_hits_lost_silent_when_most_reachable_hits_are_realised(tmp_path):
+    shape = RunShape(endpoints=[EndpointShape("colo", hit_fraction=0.5, replicas=1)])
+    m = measured_of(make(tmp_path, shape, name="probe"), "colo")
+    # the whole workload allows far more, but this run sent requests that allow only m / 0.9
+    d = make(tmp_path, shape, workloads={"mix": {"theoretical_hit_ratio_unbounded": 0.9,
+                                                 "requests": 900}},
+             workloads_sent={"colo": {"mix": sent(m / 0.9, replicas=1)}})
+    assert rules(d, "prefix_hits_lost") == []
+    # the same run without workloads_sent (an older run.json) falls back to the whole workload
+    d = make(tmp_path, shape, name="old",
+             workloads={"mix": {"theoretical_hit_ratio_unbounded": 0.9, "requests": 900}})
+    (f,) = rules(d, "prefix_hits_lost")
+    assert "whole workload" in " ".join(k for k, _ in f.evidence)
+
+
+def test_prefix_hits_lost_threshold_edges(tmp_path):
+    shape = RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.5)])
+    m = measured_of(make(tmp_path, shape, name="probe"), "rr")
+    just_below = m / (D.SENT_HIT_RATIO_FRACTION * 1.02)
+    just_above = m / (D.SENT_HIT_RATIO_FRACTION * 0.98)
+    d = make(tmp_path, shape, name="a", workloads_sent={"rr": {"mix": sent(just_below)}})
+    assert rules(d, "prefix_hits_lost") == []
+    d = make(tmp_path, shape, name="b", workloads_sent={"rr": {"mix": sent(just_above)}})
+    assert len(rules(d, "prefix_hits_lost")) == 1
+    # a tiny ratio: far below in relative terms, but under the absolute gap
+    low = RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.01)])
+    m = measured_of(make(tmp_path, low, name="probe2"), "rr")
+    d = make(tmp_path, low, name="c", workloads_sent={"rr": {"mix": sent(m + 0.04)}})
+    assert rules(d, "prefix_hits_lost") == []
+
+
+def test_prefix_hits_lost_uses_lru_theoretical_when_capacity_known(tmp_path):
+    shape = RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.5)])
+    m = measured_of(make(tmp_path, shape, name="probe"), "rr")
+    # unbounded would say 2x what was measured, but the KV capacity only allows m / 0.95
+    d = make(tmp_path, shape, workloads_sent={"rr": {"mix": sent(2 * m, lru=m / 0.95)}})
+    assert rules(d, "prefix_hits_lost") == []
+    d = make(tmp_path, shape, name="b", workloads_sent={"rr": {"mix": sent(2 * m, lru=2 * m)}})
+    (f,) = rules(d, "prefix_hits_lost")
+    assert "LRU at 100,000 tokens" in " ".join(k for k, _ in f.evidence)
+
+
+def test_prefix_hits_lost_single_replica_blames_the_engine_not_routing(tmp_path):
+    shape = RunShape(endpoints=[EndpointShape("solo", hit_fraction=0.2, replicas=1)])
+    d = make(tmp_path, shape, workloads_sent={"solo": {"mix": sent(0.6, replicas=1)}})
+    (f,) = rules(d, "prefix_hits_lost")
+    assert "round robin" not in f.cause and "prefix caching" in f.fix
+    assert not any("replica" in k for k, _ in f.evidence)
+
+
+def test_prefix_hits_lost_silent_without_a_summary_of_what_was_sent(tmp_path):
+    low = RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.1)])
+    assert rules(make(tmp_path, low, name="no-theory"), "prefix_hits_lost") == []
+    # the run recorded what it sent, but not for this endpoint: no guessing from the workload
+    d = make(tmp_path, low, name="other", workloads={"mix": {
+        "theoretical_hit_ratio_unbounded": 0.9}}, workloads_sent={"elsewhere": {}})
+    assert rules(d, "prefix_hits_lost") == []
+
+
+def test_prefix_hits_lost_fires_from_cached_tokens_on_old_runs(tmp_path):
     d = make(tmp_path, RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.1)]),
              workloads={"mix": {"theoretical_hit_ratio_unbounded": 0.7}})
     (f,) = rules(d, "prefix_hits_lost")
@@ -51,25 +144,33 @@ def test_prefix_hits_lost_fires_from_cached_tokens(tmp_path):
     assert "prefix hash" in f.fix
 
 
-def test_prefix_hits_lost_silent_when_close_or_unknown(tmp_path):
-    shape = RunShape(endpoints=[EndpointShape("ca", "routed", hit_fraction=0.9)])
-    assert rules(make(tmp_path, shape, workloads={"mix": {"theoretical_hit_ratio_unbounded":
-                                                          0.7}}), "prefix_hits_lost") == []
-    low = RunShape(endpoints=[EndpointShape("rr", "routed", hit_fraction=0.1)])
-    assert rules(make(tmp_path, low, name="no-theory"), "prefix_hits_lost") == []
-
-
 def test_prefix_hits_lost_from_engine_counters(tmp_path):
     s = 10**9
     eng = engine_table([(T0_NS + i * s, "rr", m, {}, v * i)
                         for i in range(5) for m, v in (("vllm:prefix_cache_queries_total", 1000),
                                                        ("vllm:prefix_cache_hits_total", 40))])
     d = make(tmp_path, RunShape(endpoints=[EndpointShape("rr", "routed")]), engine=eng,
-             workloads={"mix": {"theoretical_hit_ratio_unbounded": 0.6}},
+             workloads_sent={"rr": {"mix": sent(0.6, per_replica=0.1)}},
              mutate=lambda t: set_col(t, "cached_tokens", [None] * t.num_rows))
     (f,) = rules(d, "prefix_hits_lost")
     assert f.numbers["measured"] == pytest.approx(0.04)
     assert "engine" in f.evidence[0][1]
+    assert "round robin" in f.cause
+
+
+def test_prefix_hits_lost_per_run_when_endpoint_names_repeat(tmp_path):
+    """Two runs of an endpoint named alike: each label compares with its own run's summary."""
+    from reports.data import load
+    shape = RunShape(endpoints=[EndpointShape("ep", "routed", hit_fraction=0.5)])
+    m = measured_of(make(tmp_path, shape, name="probe"), "ep")
+    for run_id, theo in (("good", m / 0.95), ("bad", 2 * m)):
+        table, stages = synth_table(shape, run_id=run_id)
+        meta = run_meta(shape, stages, run_id=run_id,
+                        workloads_sent={"ep": {"mix": sent(theo)}})
+        write_run(tmp_path / run_id, table, meta)
+    d = load([tmp_path / "good", tmp_path / "bad"])
+    (f,) = rules(d, "prefix_hits_lost")
+    assert f.endpoint == "ep@bad"
 
 
 # transfer tax ----------------------------------------------------------------------------------

@@ -185,3 +185,140 @@ def describe(workload_or_requests, *, block_tokens: int = 16,
         "duration_s": last_arrival,
         "notes": list(getattr(wl, "notes", []) or []),
     }
+
+
+def base_request_id(request_id: str) -> str:
+    """The workload's id of a sent request: later passes over a workload append ``#pass``."""
+    i = request_id.rfind("#")
+    return request_id[:i] if i > 0 and request_id[i + 1:].isdigit() else request_id
+
+
+def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
+                  capacity_tokens: int | None = None, tokenizer=None) -> dict:
+    """describe() over exactly the requests a run sent, in the order given (send order).
+
+    ``sent_ids``: the records' request ids (``#pass`` suffixes of later passes repeat the
+    workload's request). ``replicas``: the serving replica of each, when the endpoint said;
+    with two or more, ``theoretical_hit_ratio_per_replica`` is the unbounded hit ratio when
+    each replica only reuses blocks it computed itself (what any routing that spreads these
+    requests the same way can reach). Adds requests_sent, unmatched (count) and
+    unmatched_examples; the workload is walked only until every sent id is found, and each
+    distinct prompt is tokenized once.
+    """
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    sent_ids = [str(s) for s in sent_ids]
+    if replicas is not None:
+        replicas = [None if r is None else str(r) for r in replicas]
+        if len(replicas) != len(sent_ids):
+            raise ValueError("replicas must give one replica per sent id")
+    bases = [base_request_id(s) for s in sent_ids]
+    wanted = set(bases)
+    found: dict = {}
+    reqs = workload.requests() if hasattr(workload, "requests") else workload
+    for r in reqs:
+        if r.request_id in wanted and r.request_id not in found:
+            found[r.request_id] = r
+            if len(found) == len(wanted):
+                break
+    tok = tokenizer or getattr(workload, "tokenizer", None) or get_tokenizer()
+    split = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode
+    keys_of: dict = {}  # base id -> (prompt tokens, block keys)
+    pooled = PrefixCacheSim(None if capacity_tokens is None else capacity_tokens // block_tokens)
+    per_rep: dict = {}
+    n_rep = len({r for r in replicas if r is not None}) if replicas is not None else 0
+    prompt, output = [], []
+    hits = hits_lru = hits_rep = declared = routed_away = 0
+    classes: Counter = Counter()
+    missing: list = []
+    last_arrival = None
+    for k, base in enumerate(bases):
+        r = found.get(base)
+        if r is None:
+            missing.append(sent_ids[k])
+            continue
+        got = keys_of.get(base)
+        if got is None:
+            text = tok.render_chat(r.messages) if r.messages is not None else r.prompt
+            toks = split(text)
+            got = keys_of[base] = (len(toks), block_keys(toks, block_tokens))
+        n_tok, keys = got
+        h, hl = pooled.add(keys)
+        hits += h * block_tokens
+        hits_lru += (hl or 0) * block_tokens
+        if n_rep >= 2:
+            rep = replicas[k]
+            sim = per_rep.get(rep)
+            if sim is None:
+                sim = per_rep[rep] = PrefixCacheSim(None)
+            hr, _ = sim.add(keys)
+            hits_rep += hr * block_tokens
+            routed_away += hr < h
+        prompt.append(n_tok)
+        output.append(r.max_tokens)
+        declared += r.shared_prefix_tokens
+        classes[r.request_class] += 1
+        if r.arrival_offset_s is not None:
+            last_arrival = max(last_arrival or 0.0, r.arrival_offset_s)
+    p = np.asarray(prompt, dtype=np.int64)
+    total = int(p.sum())
+
+    def ratio(x):
+        return x / total if total else 0.0
+
+    return {
+        "requests": len(prompt),
+        "requests_sent": len(sent_ids),
+        "unmatched": len(missing),
+        "unmatched_examples": missing[:5],
+        "prompt_tokens_pcts": _pcts(p),
+        "output_tokens_pcts": _pcts(np.asarray(output, dtype=np.int64)),
+        "unique_tokens": total - hits,
+        "total_prompt_tokens": total,
+        "theoretical_hit_ratio_unbounded": ratio(hits),
+        "theoretical_hit_ratio_lru": ratio(hits_lru) if capacity_tokens is not None else None,
+        "theoretical_hit_ratio_per_replica": ratio(hits_rep) if n_rep >= 2 else None,
+        "replicas": n_rep,
+        "requests_hit_elsewhere": int(routed_away) if n_rep >= 2 else None,
+        "block_tokens": block_tokens,
+        "capacity_tokens": capacity_tokens,
+        "classes": dict(classes),
+        "shared_prefix_ratio": ratio(declared),
+        "duration_s": last_arrival,
+        "notes": list(getattr(workload, "notes", []) or []),
+    }
+
+
+def sent_descriptions(records, workloads, caches=None) -> dict:
+    """``{endpoint: {workload: describe_sent(...)}}`` from a run's request records.
+
+    ``records``: columns endpoint, workload, request_id, t_sent_ns and optionally
+    server_replica, status, ttft_ns (a mapping of equal-length sequences, e.g. an Arrow table's
+    ``to_pydict()``). Only requests the server prefilled count (status ok, or a first token
+    seen), in t_sent order. ``workloads``: name -> workload; names not given are skipped.
+    ``caches``: endpoint -> {"block_tokens", "capacity_tokens"} (the engine's KV block and
+    per-replica capacity, where known).
+    """
+    caches = caches or {}
+    n = len(records["request_id"])
+    status = records.get("status") or [None] * n
+    ttft = records.get("ttft_ns") or [None] * n
+    rep = records.get("server_replica") or [None] * n
+    groups: dict = {}
+    for i in range(n):
+        if status[i] not in (None, "ok") and ttft[i] is None:
+            continue
+        key = (records["endpoint"][i], records["workload"][i])
+        if key[1] not in workloads or records["request_id"][i] is None:
+            continue
+        groups.setdefault(key, []).append(i)
+    out: dict = {}
+    t_sent = records["t_sent_ns"]
+    for (ep, wl), rows in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        rows.sort(key=lambda i: (t_sent[i] or 0, i))
+        cache = caches.get(ep) or {}
+        out.setdefault(str(ep), {})[wl] = describe_sent(
+            workloads[wl], [records["request_id"][i] for i in rows],
+            replicas=[rep[i] for i in rows], block_tokens=int(cache.get("block_tokens") or 16),
+            capacity_tokens=cache.get("capacity_tokens"))
+    return out
