@@ -105,8 +105,10 @@ def recent_runs(results_dir: Path | str, suite: str | None = None, limit: int = 
     h = h[(h["request_class"] == "*") & h["metric"].isin(metrics)]
     runs = (h.drop_duplicates("run_id").sort_values("started_ns").tail(limit)["run_id"])
     h = h[h["run_id"].isin(runs)].assign(verdict=lambda d: d["verdict"].fillna("-"))
-    wide = h.pivot_table(index=["started_ns", "run_id", "endpoint", "verdict"], columns="metric",
-                         values="value", aggfunc="first", dropna=False).reset_index()
+    # groupby, not pivot_table(dropna=False): that crosses every run with every verdict
+    wide = (h.groupby(["started_ns", "run_id", "endpoint", "verdict", "metric"], sort=True)
+            ["value"].first().unstack("metric").reset_index())
+    wide.columns.name = None
     wide.insert(0, "date", pd.to_datetime(wide["started_ns"], unit="ns").dt.strftime(
         "%Y-%m-%d %H:%M"))
     return wide.drop(columns=["started_ns"]).reset_index(drop=True)

@@ -8,6 +8,13 @@ baseline gets a percentile confidence interval. A relative rule (``max_increase_
 
 Verdicts: ``pass`` when the whole interval is within the limit, ``fail`` when the whole
 interval lies beyond it, ``inconclusive`` when it straddles the limit (the change may be noise).
+
+Rates (``*_rps``, ``*_tps``) are counts over a fixed stage wall time. Resampling requests keeps
+their number fixed, which is right when both runs replayed the same seeded arrival schedule; when
+the schedules differ (another seed, rate, duration, workload or pacing) the number of arrivals
+is itself random, so each replicate is also scaled by Poisson(n) / n (the count of a Poisson
+process in a fixed window). Without it two A/A runs with different seeds "fail" goodput on a
+zero-width interval.
 """
 
 from __future__ import annotations
@@ -63,12 +70,41 @@ def _frame(results, slo: dict | None) -> pd.DataFrame:
 def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFrame:
     rows = np.asarray(frame["endpoint"] == endpoint)
     if request_class != "*":
-        rows &= np.asarray(frame["request_class"] == request_class)
+        # not in place: pandas may hand back a read-only view
+        rows = rows & np.asarray(frame["request_class"] == request_class)
     return frame[rows]
 
 
 def _slo_from(meta: dict) -> dict:
     return ((meta.get("config") or {}).get("slo")) or {}
+
+
+RATE_METRICS = ("throughput_rps", "goodput_rps", "input_tps", "output_tps")
+
+
+def _schedule(meta: dict, endpoint: str) -> tuple:
+    """What fixes the arrivals an endpoint saw: seed, workloads and its stages' pacing."""
+    cfg = meta.get("config") or {}
+    stages = sorted((str(s.get("workload")), int(s.get("index") or 0), s.get("pacing"),
+                     s.get("rate_rps"), s.get("duration_s"), s.get("users"))
+                    for s in meta.get("stages") or () if s.get("endpoint") == endpoint)
+    # every workload table: a mix's components live under their own names
+    wl = cfg.get("workloads") or {}
+    return ((cfg.get("suite") or {}).get("seed"), repr(sorted(wl.items())), tuple(stages))
+
+
+def same_schedule(baseline_meta: dict, current_meta: dict, endpoint: str) -> bool:
+    """True when both runs replayed the same seeded open-loop arrivals at ``endpoint``."""
+    b, c = _schedule(baseline_meta, endpoint), _schedule(current_meta, endpoint)
+    open_loop = all(st[2] not in (None, "closed") for st in c[2])
+    return bool(c[2]) and open_loop and b == c
+
+
+def _count_noise(reps: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Replicates of a rate with the number of arrivals redrawn as Poisson(n)."""
+    if n <= 0:
+        return reps
+    return reps * (rng.poisson(n, size=len(reps)) / n)
 
 
 def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -103,11 +139,14 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
             raise DataError(f"gate rule {i} names endpoint {rule.endpoint!r}, which the current "
                             f"run does not have; use one of {endpoints_cur} or \"*\"")
         for ep in eps:
-            out.append(_one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i))
+            shared = baseline is not None and same_schedule(baseline.meta, current.meta, ep)
+            out.append(_one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i,
+                            shared_schedule=shared))
     return out
 
 
-def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int) -> RuleResult:
+def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
+         shared_schedule: bool = False) -> RuleResult:
     info = M.METRIC_INFO[metric]
     conf, b = gate_cfg.confidence, gate_cfg.bootstrap_resamples
     fc = _select(cur, endpoint, rule.request_class)
@@ -149,6 +188,10 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int) -> Ru
             verdict, note = "inconclusive", "baseline is zero: a ratio is undefined"
     else:
         rng = np.random.default_rng(seed + 2)
+        if metric in RATE_METRICS and not shared_schedule:
+            reps_b = _count_noise(reps_b, len(fb), rng)
+            reps_c = _count_noise(reps_c, len(fc), rng)
+            note = "arrival schedules differ: the rate's interval includes Poisson count noise"
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = reps_c / reps_b[rng.permutation(len(reps_b))]
         lo, hi = _interval(ratio, conf)
@@ -158,9 +201,10 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int) -> Ru
             verdict = "pass" if hi <= limit else "fail" if lo > limit else "inconclusive"
         else:
             verdict = "pass" if lo >= limit else "fail" if hi < limit else "inconclusive"
-    if increase_rule == info.higher_is_better and note == "":
-        note = ("this rule bounds an increase of a higher-is-better metric" if increase_rule
+    if increase_rule == info.higher_is_better:
+        warn = ("this rule bounds an increase of a higher-is-better metric" if increase_rule
                 else "this rule bounds a decrease of a lower-is-better metric")
+        note = f"{note}; {warn}" if note else warn
     return RuleResult(kind="relative", limit=limit, baseline=est_b, current=est_c, low=lo,
                       high=hi, n_baseline=len(fb), verdict=verdict, note=note, **common)
 
