@@ -617,6 +617,7 @@ def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float
         "workloads": {},
     }
     names = {m.get("workload") for m in metas if m.get("workload")}
+    built = {}
     for name in sorted(names):
         try:
             from workloads.describe import describe
@@ -629,10 +630,20 @@ def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float
                 from workloads.registry import make_workload
 
                 wl = make_workload(name, cfg)
+            built[name] = wl
             meta["workloads"][name] = describe(wl)
         except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
             meta["incomplete"].append({"what": f"workload summary of {name}",
                                        "why": f"describe failed: {exc}"[:200]})
+    # what each endpoint was actually sent (the reports compare hit ratios with this)
+    try:
+        from kvbench.commands.run import describe_sent_requests
+
+        meta["workloads_sent"] = describe_sent_requests(
+            run_dir, built, cfg.endpoints if cfg is not None else ())
+    except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
+        meta["incomplete"].append({"what": "summary of the requests sent",
+                                   "why": f"describe failed: {exc}"[:200]})
     if rows != merged["counts"]["records_written"] and metas:
         meta["incomplete"].append({"what": "records", "why": f"{rows} rows compacted, "
                                    f"{merged['counts']['records_written']} written"})
