@@ -125,3 +125,24 @@ def test_sent_descriptions_groups_orders_and_filters():
     assert e2["requests"] == 2 and e2["capacity_tokens"] == 64
     assert e2["theoretical_hit_ratio_unbounded"] == pytest.approx(8 / 20)
     assert e2["theoretical_hit_ratio_per_replica"] is None  # one replica
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(words, min_size=1, max_size=10), st.data())
+def test_any_send_order_with_passes_equals_describe_of_that_order(prompts, data):
+    """Out of order, repeated (``#pass``) and unknown ids: the same as describing the matched
+    requests in that order."""
+    reqs = [req(f"q{i}", *p) for i, p in enumerate(prompts)]
+    picks = data.draw(st.lists(st.tuples(st.integers(-1, len(reqs) - 1), st.integers(0, 2)),
+                               min_size=1, max_size=25))
+    ids = [("nope" if i < 0 else reqs[i].request_id) + (f"#{n}" if n else "")
+           for i, n in picks]
+    order = [reqs[i] for i, _ in picks if i >= 0]
+    wl = Wl(reqs)
+    got = describe_sent(wl, ids, block_tokens=4, capacity_tokens=12)
+    want = describe(order, block_tokens=4, capacity_tokens=12)
+    for k in ("requests", "unique_tokens", "total_prompt_tokens",
+              "theoretical_hit_ratio_unbounded", "theoretical_hit_ratio_lru", "classes"):
+        assert got[k] == want[k]
+    assert got["unmatched"] == sum(i < 0 for i, _ in picks)
+    assert wl.handed <= len(reqs)  # one forward walk

@@ -202,8 +202,9 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
     with two or more, ``theoretical_hit_ratio_per_replica`` is the unbounded hit ratio when
     each replica only reuses blocks it computed itself (what any routing that spreads these
     requests the same way can reach). Adds requests_sent, unmatched (count) and
-    unmatched_examples; the workload is walked only until every sent id is found, and each
-    distinct prompt is tokenized once.
+    unmatched_examples. Streams: the workload is walked forward once, holding only requests
+    met before their first use, and each distinct prompt is tokenized once (its block keys
+    kept only until its last repeat).
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
@@ -213,17 +214,31 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
         if len(replicas) != len(sent_ids):
             raise ValueError("replicas must give one replica per sent id")
     bases = [base_request_id(s) for s in sent_ids]
-    wanted = set(bases)
-    found: dict = {}
-    reqs = workload.requests() if hasattr(workload, "requests") else workload
-    for r in reqs:
-        if r.request_id in wanted and r.request_id not in found:
-            found[r.request_id] = r
-            if len(found) == len(wanted):
-                break
+    left = Counter(bases)  # uses still to come of each workload request
+    reqs = iter(workload.requests() if hasattr(workload, "requests") else workload)
+    ahead: dict = {}  # requests met while walking, before their first use (out of order)
+    walked_all = False
+
+    def first_use(base: str):
+        """The workload's request ``base``, walking forward once; None when it has none."""
+        nonlocal walked_all
+        r = ahead.pop(base, None)
+        if r is not None or walked_all:
+            return r
+        for r in reqs:
+            rid = r.request_id
+            if rid == base:
+                return r
+            if left.get(rid, 0) > 0 and rid not in ahead:
+                ahead[rid] = r
+        walked_all = True
+        return None
+
     tok = tokenizer or getattr(workload, "tokenizer", None) or get_tokenizer()
     split = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode
-    keys_of: dict = {}  # base id -> (prompt tokens, block keys)
+    # base id -> (prompt tokens, block keys, max_tokens, class, declared shared, arrival),
+    # kept only while the id has uses to come (later passes)
+    summary_of: dict = {}
     pooled = PrefixCacheSim(None if capacity_tokens is None else capacity_tokens // block_tokens)
     per_rep: dict = {}
     n_rep = len({r for r in replicas if r is not None}) if replicas is not None else 0
@@ -233,16 +248,23 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
     missing: list = []
     last_arrival = None
     for k, base in enumerate(bases):
-        r = found.get(base)
-        if r is None:
-            missing.append(sent_ids[k])
-            continue
-        got = keys_of.get(base)
+        got = summary_of.get(base)
         if got is None:
+            r = first_use(base)
+            if r is None:
+                left[base] -= 1
+                missing.append(sent_ids[k])
+                continue
             text = tok.render_chat(r.messages) if r.messages is not None else r.prompt
             toks = split(text)
-            got = keys_of[base] = (len(toks), block_keys(toks, block_tokens))
-        n_tok, keys = got
+            got = (len(toks), block_keys(toks, block_tokens), r.max_tokens, r.request_class,
+                   r.shared_prefix_tokens, r.arrival_offset_s)
+        left[base] -= 1
+        if left[base] > 0:
+            summary_of[base] = got
+        else:
+            summary_of.pop(base, None)
+        n_tok, keys, max_tokens, cls, shared, arrival = got
         h, hl = pooled.add(keys)
         hits += h * block_tokens
         hits_lru += (hl or 0) * block_tokens
@@ -255,11 +277,11 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
             hits_rep += hr * block_tokens
             routed_away += hr < h
         prompt.append(n_tok)
-        output.append(r.max_tokens)
-        declared += r.shared_prefix_tokens
-        classes[r.request_class] += 1
-        if r.arrival_offset_s is not None:
-            last_arrival = max(last_arrival or 0.0, r.arrival_offset_s)
+        output.append(max_tokens)
+        declared += shared
+        classes[cls] += 1
+        if arrival is not None:
+            last_arrival = max(last_arrival or 0.0, arrival)
     p = np.asarray(prompt, dtype=np.int64)
     total = int(p.sum())
 
