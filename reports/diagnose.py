@@ -75,21 +75,25 @@ def _sent_descriptions(d: ReportData, ep: str) -> dict | None:
     None when that run did not record it (written before kvbench stored it)."""
     entry = d.endpoints.get(ep) or {}
     name, run_id = str(entry.get("name", ep)), entry.get("run_id")
+    got = None
     for run in d.runs:
         if run_id is not None and str(run.get("run_id")) != str(run_id):
             continue
         if "workloads_sent" not in run:
             continue
-        return (run.get("workloads_sent") or {}).get(name) or {}
-    return None
+        got = (run.get("workloads_sent") or {}).get(name) or {}
+        if got:
+            break
+    return got
 
 
 def _theoretical(desc: dict) -> tuple[float | None, str]:
     """The hit ratio a perfect router over this engine could reach: LRU at the engine's KV
     capacity where it is known, else an unbounded cache."""
     lru = desc.get("theoretical_hit_ratio_lru")
-    if lru is not None:
-        return float(lru), (f"LRU at {desc.get('capacity_tokens'):,} tokens of KV per replica, "
+    cap = desc.get("capacity_tokens")
+    if lru is not None and cap:
+        return float(lru), (f"LRU at {int(cap):,} tokens of KV per replica, "
                             f"{desc.get('block_tokens')}-token blocks")
     theo = desc.get("theoretical_hit_ratio_unbounded")
     return (None if theo is None else float(theo)), (
