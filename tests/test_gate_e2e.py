@@ -157,7 +157,8 @@ def test_twenty_percent_slowdown_fails_against_last_pass(slow, store):
         assert r["verdict"] == "fail", r["text"]
         assert 1.15 < r["low"] <= r["high"] < 1.25, r["text"]
     assert by["error_rate"]["verdict"] == "pass"
-    assert by["ttft_p50"]["verdict"] != "pass"  # +20% against a +20% allowance
+    # TTFT is 20% slower too, but its +20% allowance leaves the verdict to chance.
+    assert by["ttft_p50"]["current"] > 1.05 * by["ttft_p50"]["baseline"], by["ttft_p50"]["text"]
     suite = ET.parse(out / "junit.xml").getroot()
     failed = {c.get("name").split("[")[0] for c in suite.findall("testcase")
               if c.find("failure") is not None}
