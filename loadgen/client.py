@@ -69,9 +69,10 @@ class Target:
 
 class Connection:
     """One keep-alive connection. On plain TCP, reads bypass gevent's socket layer: ``raw`` is
-    the non-blocking kernel socket under the gevent one, ``rwatch`` a libev read watcher kept
-    for the connection's life, so a read is one ``recv`` after one hub wait, with no failed
-    ``recv`` (EAGAIN exception) and no timer per wait (the read timeout is ``_IdleTimer``)."""
+    the non-blocking kernel socket under the gevent one, ``rwatch`` a libev read watcher made
+    once and started for each response, so a read is one hub switch and one ``recv``: no failed
+    ``recv`` (EAGAIN exception), no Waiter or watcher start/stop, no timer per wait (the read
+    timeout is ``_IdleTimer``)."""
 
     __slots__ = ("sock", "uses", "raw", "rwatch", "hub")
 
@@ -225,6 +226,13 @@ class ChunkedDecoder:
         self.done = False
 
     def feed(self, data: bytes) -> bytes:
+        if self._rem == 0 and not self._buf:
+            # Fast path: ``data`` is exactly one whole chunk (how a server writes each event).
+            i = data.find(b"\r\n")
+            if i > 0 and data[-2:] == b"\r\n" and b";" not in data[:i]:
+                size = int(data[:i], 16)
+                if size and len(data) == i + size + 4:
+                    return data[i + 2:-2]
         buf = self._buf + data if self._buf else data
         out = []
         pos, n = 0, len(buf)
@@ -361,22 +369,27 @@ class StreamingClient:
             raise
         rwatch = conn.rwatch
         if rwatch is None:  # TLS: gevent's recv (a timer per wait is its read timeout)
-            recv, wait, idle = sock.recv, None, None
-        else:
-            recv, wait = conn.raw.recv, conn.hub.wait
-            idle = _IdleTimer(conn.hub.loop, self.pool.read_timeout_s, t0)
+            return self._read(conn, res, keep_text, t0, reused, sock.recv, None, None)
+        # The watcher stays started for the whole response and resumes this greenlet when the
+        # socket is readable; the loop below yields only through ``wait`` (the hub), so no
+        # other wakeup can reach it. Cheaper than a Waiter and a watcher start/stop a read.
+        rwatch.start(gevent.getcurrent().switch)
+        idle = _IdleTimer(conn.hub.loop, self.pool.read_timeout_s, t0)
         try:
-            return self._read(conn, res, keep_text, t0, reused, recv, wait, rwatch, idle)
+            return self._read(conn, res, keep_text, t0, reused, conn.raw.recv, conn.hub.switch,
+                              idle)
         finally:
-            if idle is not None:
-                idle.close()
+            rwatch.stop()
+            idle.close()
 
-    def _read(self, conn, res, keep_text, t0, reused, recv, wait, rwatch, idle):
+    def _read(self, conn, res, keep_text, t0, reused, recv, wait, idle):
+        """Reads and accounts for the response; ``wait`` (None for TLS) yields until the raw
+        socket is readable, ``recv`` then never blocks."""
         buf = b""
         while True:  # status line and headers
             try:
                 if wait is not None:
-                    wait(rwatch)
+                    wait()
                 data = recv(RECV_BYTES)
             except BlockingIOError:  # a spurious wakeup
                 continue
@@ -451,11 +464,11 @@ class StreamingClient:
                 break
             if wait is not None:
                 if len(data) < RECV_BYTES:  # drained: sleep until readable, then one recv
-                    wait(rwatch)
+                    wait()
                 try:
                     data = recv(RECV_BYTES)
                 except BlockingIOError:  # a spurious wakeup
-                    data = _recv_when_readable(recv, wait, rwatch)
+                    data = _recv_when_readable(recv, wait)
                 t = idle.last_ns = _mono()
             else:
                 data = recv(RECV_BYTES)
@@ -494,9 +507,9 @@ class StreamingClient:
         return conn
 
 
-def _recv_when_readable(recv, wait, rwatch) -> bytes:
+def _recv_when_readable(recv, wait) -> bytes:
     while True:
-        wait(rwatch)
+        wait()
         try:
             return recv(RECV_BYTES)
         except BlockingIOError:

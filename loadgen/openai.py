@@ -11,6 +11,8 @@ closing chunk). Usage is taken wherever it appears (a ``choices: []`` chunk for 
 from __future__ import annotations
 
 import orjson
+from orjson import JSONDecodeError
+from orjson import loads as _loads
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -85,18 +87,19 @@ class StreamState:
 
     def on_events(self, events: list, t_ns: int) -> None:
         """Account for the events of one socket read that arrived at monotonic ``t_ns``."""
+        offset_ns = t_ns - self.t0_ns
+        self.chunks += len(events)
         for ev_type, data in events:
-            self.chunks += 1
             if data == b"[DONE]":
                 self.done = True
                 continue
             try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
+                obj = _loads(data)
+            except JSONDecodeError:
                 if self.bad is None:
                     self.bad = f"unparseable chunk: {data[:80].decode('utf-8', 'replace')}"
                 continue
-            if not isinstance(obj, dict):
+            if type(obj) is not dict:
                 if self.bad is None:
                     self.bad = "chunk is not a JSON object"
                 continue
@@ -104,33 +107,41 @@ class StreamState:
                 if self.error is None:
                     self.error = _error_text(obj)
                 continue
-            usage = obj.get("usage")
-            if usage:
-                self._usage(usage)
-            choices = obj.get("choices")
-            if not choices:
+            try:
+                usage = obj.get("usage")
+                if usage:
+                    self._usage(usage)
+                choices = obj.get("choices")
+                if not choices:
+                    continue
+                c = choices[0]
+                delta = c.get("delta")
+                if delta is not None:  # chat
+                    text = delta.get("content")
+                    if "reasoning_content" in delta or "reasoning" in delta:
+                        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                        if reasoning:
+                            text = reasoning if not text else reasoning + text
+                        elif not text and "role" in delta and not delta.get("tool_calls"):
+                            continue
+                    elif not text and "role" in delta and not delta.get("tool_calls"):
+                        continue  # the role announcement, not a generated token
+                else:
+                    text = c.get("text")
+                fr = c.get("finish_reason")
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+                if self.bad is None:
+                    self.bad = f"malformed chunk: {data[:80].decode('utf-8', 'replace')}"
                 continue
-            c = choices[0]
-            delta = c.get("delta")
-            if delta is not None:  # chat
-                text = delta.get("content")
-                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-                if reasoning:
-                    text = reasoning if not text else reasoning + text
-                elif not text and "role" in delta and not delta.get("tool_calls"):
-                    continue  # the role announcement, not a generated token
-            else:
-                text = c.get("text")
-            fr = c.get("finish_reason")
             if fr is not None:
                 self.finish_reason = fr
                 if not text:
-                    self.finish_offset_ns = t_ns - self.t0_ns
+                    self.finish_offset_ns = offset_ns
                     continue
-            self.offsets_ns.append(t_ns - self.t0_ns)
+            self.offsets_ns.append(offset_ns)
             self.tokens.append(1)
-            if self.keep_text and text:
-                self.parts.append(text)
+            if text and self.keep_text:
+                self.parts.append(text if type(text) is str else str(text))
 
     def _usage(self, usage: dict) -> None:
         pt = usage.get("prompt_tokens")

@@ -21,6 +21,15 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[Event]:
         """Events completed by ``chunk`` (possibly none), in stream order."""
+        if (chunk[:6] == b"data: " and chunk[-2:] == b"\n\n" and not self._buf
+                and not self._data and self._event is None and b"\r" not in chunk):
+            # Fast path, the same result as the line loop: whole single-line ``data: `` events
+            # and nothing else (every LF belongs to a separating blank line).
+            lf = chunk.count(b"\n")
+            if lf == 2:
+                return [(None, chunk[6:-2])]
+            if lf == 2 + 2 * chunk.count(b"\n\ndata: "):
+                return [(None, part[6:]) for part in chunk[:-2].split(b"\n\n")]
         buf = self._buf + chunk if self._buf else chunk
         hold = b""
         if b"\r" in buf:
