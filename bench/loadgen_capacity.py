@@ -12,7 +12,8 @@ each measurement runs the client in a fresh process pinned to one core (the serv
 The naive reader is what a locustfile written with Locust's helpers does: ``FastHttpSession``
 ``iter_lines(url, method="POST")`` (``iter_content`` in 1 KB pieces) and ``json.loads`` per chunk.
 
-    python bench/loadgen_capacity.py [--seconds 4] [--itl-ms 10]
+    python bench/loadgen_capacity.py [--seconds 4] [--itl-ms 10] [--levels 50,100,200]
+        [--repeat 3]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -165,30 +167,44 @@ def fetch_log(url) -> dict:
     return json.loads(urllib.request.urlopen(url + "/log").read())
 
 
-def measure(url, client, streams, seconds, tokens, warmup_s) -> dict:
+def server_cpu_s(pid: int | None) -> float:
+    """User+system CPU seconds of the load server so far (Linux /proc), 0 elsewhere."""
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, TypeError, ValueError, IndexError):
+        return 0.0
+
+
+def measure(url, client, streams, seconds, tokens, server_pid=None) -> dict:
     import numpy as np
 
     fetch_log(url)
+    srv0 = server_cpu_s(server_pid)
     res = run_client(url, client, streams, seconds, tokens)
+    srv_cpu = server_cpu_s(server_pid) - srv0
     log = fetch_log(url)
-    lags, first = [], []
+    lags, first, gaps = [], [], []
     chunks = 0
-    t_lo = None
     for rid, arr in res["arrivals"].items():
         truth = log.get(rid, {}).get("sends_ns", [])
         n = min(len(truth), len(arr))
         chunks += len(arr)
         if n == 0:
             continue
-        t_lo = truth[0] if t_lo is None else min(t_lo, truth[0])
         lags += [arr[k] - truth[k] for k in range(n)]
+        gaps += [truth[k] - truth[k - 1] for k in range(1, len(truth))]
         first.append(arr[0] - truth[0])
     lag = np.array(lags) / 1e6
+    nan = float("nan")
     return {"client": client, "streams": streams, "chunks_s": chunks / res["wall_s"],
             "cpu_us_per_chunk": res["cpu_s"] / max(1, chunks) * 1e6,
-            "lag_p50_ms": float(np.percentile(lag, 50)) if len(lag) else float("nan"),
-            "lag_p99_ms": float(np.percentile(lag, 99)) if len(lag) else float("nan"),
-            "ttft_bias_ms": float(np.median(first)) / 1e6 if first else float("nan")}
+            "lag_p50_ms": float(np.percentile(lag, 50)) if len(lag) else nan,
+            "lag_p99_ms": float(np.percentile(lag, 99)) if len(lag) else nan,
+            "ttft_bias_ms": float(np.median(first)) / 1e6 if first else nan,
+            # the server keeps pace if its send gaps stay at the ITL (it is not the bottleneck)
+            "server_gap_p99_ms": float(np.percentile(gaps, 99)) / 1e6 if gaps else nan,
+            "server_us_per_chunk": srv_cpu / max(1, chunks) * 1e6}
 
 
 def main() -> None:
@@ -201,7 +217,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=100)
     p.add_argument("--rate", type=float, default=50)
     p.add_argument("--itl-ms", type=float, default=10.0)
-    p.add_argument("--levels", default="25,50,100,200,300")
+    p.add_argument("--levels", default="50,100,200,300,400,500")
+    p.add_argument("--repeat", type=int, default=1, help="runs per level (median is used)")
     a = p.parse_args()
     if a.role == "client":
         return client_main(a)
@@ -220,24 +237,36 @@ def main() -> None:
     try:
         print("\nlight load (1 stream, 100 tokens):")
         for client in ("ours", "naive"):
-            m = measure(url, client, 1, a.seconds, a.tokens, 0)
+            m = measure(url, client, 1, a.seconds, a.tokens, proc.pid)
             print(f"  {client:<6} TTFT bias {m['ttft_bias_ms']:7.2f} ms   per-chunk lag p50 "
                   f"{m['lag_p50_ms']:6.2f} p99 {m['lag_p99_ms']:6.2f} ms")
-        print("\nload sweep (streams x 1 chunk per ITL):")
+        print(f"\nload sweep (streams x 1 chunk per ITL), {a.repeat} run(s) a level; the "
+              "server keeps pace while its send-gap p99 stays near the ITL:")
         print(f"  {'client':<6} {'streams':>7} {'chunks/s':>9} {'lag p50':>8} {'lag p99':>8} "
-              f"{'CPU us/chunk':>13}")
+              f"{'CPU us/chunk':>13} {'srv gap p99':>12} {'srv us/chunk':>13}")
         best = {}
         for client in ("ours", "naive"):
             for n in [int(x) for x in a.levels.split(",")]:
-                m = measure(url, client, n, a.seconds, a.tokens, 0)
-                print(f"  {client:<6} {n:>7} {m['chunks_s']:>9.0f} {m['lag_p50_ms']:>8.2f} "
-                      f"{m['lag_p99_ms']:>8.2f} {m['cpu_us_per_chunk']:>13.1f}", flush=True)
-                if m["lag_p99_ms"] < 5.0:
-                    best[client] = max(best.get(client, (0, 0)), (m["chunks_s"],
-                                                                  m["cpu_us_per_chunk"]))
-        for client, (cps, cpu) in best.items():
-            print(f"  highest with lag p99 < 5 ms: {client}: {cps:.0f} chunks/s ({cpu:.1f} us "
-                  "CPU per chunk there)")
+                runs = []
+                for _ in range(a.repeat):
+                    m = measure(url, client, n, a.seconds, a.tokens, proc.pid)
+                    runs.append(m)
+                    print(f"  {client:<6} {n:>7} {m['chunks_s']:>9.0f} {m['lag_p50_ms']:>8.2f} "
+                          f"{m['lag_p99_ms']:>8.2f} {m['cpu_us_per_chunk']:>13.1f} "
+                          f"{m['server_gap_p99_ms']:>12.2f} {m['server_us_per_chunk']:>13.1f}",
+                          flush=True)
+                p99 = statistics.median(m["lag_p99_ms"] for m in runs)
+                if p99 < 5.0:  # the median run of the level (the host is shared: noise)
+                    cps = statistics.median(m["chunks_s"] for m in runs)
+                    cpu = statistics.median(m["cpu_us_per_chunk"] for m in runs)
+                    best[client] = max(best.get(client, (0, 0, 0)), (cps, cpu, p99))
+        for client in ("ours", "naive"):
+            if client in best:
+                cps, cpu, p99 = best[client]
+                print(f"  highest with lag p99 < 5 ms: {client}: {cps:.0f} chunks/s (lag p99 "
+                      f"{p99:.2f} ms, {cpu:.1f} us CPU per chunk there)")
+            else:
+                print(f"  highest with lag p99 < 5 ms: {client}: none of the levels")
         print("\nopen loop (Poisson, our dispatcher, 4-token responses):")
         for rate in (50, 200, 500):
             out = subprocess.run([sys.executable, __file__, "--role", "open", "--url", url,

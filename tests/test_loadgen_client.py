@@ -112,3 +112,15 @@ def test_chunked_decoder_any_split(parts, trailers, data):
         got += d.feed(wire[a:b])
     assert got == b"".join(parts)
     assert d.done
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=8),
+       st.sampled_from(["%x", "%X", "%04x", "%x;ext=1"]))
+def test_chunked_decoder_one_chunk_per_read(parts, size_fmt):
+    # how servers write SSE: one whole chunk a read (the decoder's fast path), then the end
+    d = ChunkedDecoder()
+    for p in parts:
+        wire = (size_fmt % len(p)).encode() + b"\r\n" + p + b"\r\n"
+        assert d.feed(wire) == p and not d.done
+    assert d.feed(b"0\r\n\r\n") == b"" and d.done

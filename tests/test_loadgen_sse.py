@@ -156,3 +156,67 @@ def test_bodies_and_error_messages():
     assert error_message(b'{"object": "error", "message": "too long", "code": 400}') == \
         "too long (code 400)"
     assert error_message(b"plain failure\n") == "plain failure"
+
+
+# --- the fast path (whole single-line ``data:`` events in one read) against the line loop
+
+field_value = st.binary(max_size=30).filter(lambda b: b"\r" not in b and b"\n" not in b)
+
+
+@st.composite
+def sse_event(draw):
+    """One event's bytes, any of the shapes a server may send, any line ending."""
+    eol = draw(line_end)
+    kind = draw(st.sampled_from(["data", "data", "data", "multi", "comment", "typed", "idonly",
+                                 "nospace"]))
+    v = draw(field_value)
+    if kind == "data":
+        lines = [b"data: " + v]
+    elif kind == "multi":
+        lines = [b"data: " + v, b"data: " + draw(field_value)]
+    elif kind == "comment":
+        lines = [b": " + v]
+    elif kind == "typed":
+        lines = [b"event: error", b"data: " + v]
+    elif kind == "idonly":
+        lines = [b"id: " + v]
+    else:
+        lines = [b"data:" + v]
+    return b"".join(ln + eol for ln in lines) + eol
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(sse_event(), max_size=10), st.data())
+def test_reads_of_whole_events_match_the_line_loop(events, data):
+    # reads that end on event boundaries (where the fast path applies), sometimes also cut
+    # inside an event; a byte at a time never takes the fast path: the reference
+    bounds = [0]
+    for e in events:
+        bounds.append(bounds[-1] + len(e))
+    stream = b"".join(events)
+    cuts = set(data.draw(st.lists(st.sampled_from(bounds), max_size=10)))
+    cuts |= set(data.draw(st.lists(st.integers(0, len(stream)), max_size=3)))
+    cuts = sorted(cuts)
+    pieces = [stream[a:b] for a, b in zip([0] + cuts, cuts + [len(stream)]) if b > a]
+    assert parse_all(pieces) == parse_all([stream[i:i + 1] for i in range(len(stream))])
+
+
+def test_fast_path_cases():
+    p = SSEParser()
+    assert p.feed(b"data: {\"a\":1}\n\n") == [(None, b"{\"a\":1}")]
+    assert p.feed(b"data: x\n\ndata: \n\ndata: [DONE]\n\n") == \
+        [(None, b"x"), (None, b""), (None, b"[DONE]")]
+    assert p.feed(b"event: error\n") == []  # a typed event split before its data line
+    assert p.feed(b"data: boom\n\n") == [("error", b"boom")]
+    assert p.feed(b"data: a\ndata: b\n\n") == [(None, b"a\nb")]  # two lines: the line loop
+    assert p.feed(b"data: a\n\n\n\ndata: b\n\n") == [(None, b"a"), (None, b"b")]
+    assert not p.pending
+
+
+def test_malformed_chunks_are_protocol_errors_not_exceptions():
+    for bad in (b'{"choices": [1]}', b'{"choices": [{"delta": "x"}]}', b'{"usage": 5}',
+                b'{"usage": {"prompt_tokens": "many"}}', b'{"choices": {"a": 1}}'):
+        s = StreamState(0)
+        s.on_events([chat("a"), (None, bad), (None, b"[DONE]")], 1)
+        status, err = s.settle(True)
+        assert status == "protocol_error" and "malformed chunk" in err, bad
