@@ -52,6 +52,14 @@ SCRIPT = textwrap.dedent("""
         out["idle_ok"] = [r.status, len(r.offsets_ns), r.e2e_ns]
         r = idle.post_stream("/v1/completions", body, headers={"x-test-fault": "hang"})
         out["idle_hang"] = [r.status, r.error, r.e2e_ns]
+        # gevent's own recv, the path TLS connections take
+        tls_like = ConnectionPool(Target.parse(url))
+        cn = tls_like.open()
+        cn.rwatch.close()
+        cn.rwatch = None
+        tls_like.idle.append(cn)
+        r = StreamingClient(tls_like, deadline_s=10).post_stream("/v1/completions", body)
+        out["fallback"] = [r.status, len(r.offsets_ns), r.completion_tokens]
         r = c.post_stream("/v1/completions", body.replace(b"test-model", b"nope"))
         out["http"] = [r.status, r.http_status, r.error]
         out["log"] = orjson.loads(urllib.request.urlopen(url + "/log").read())
@@ -90,6 +98,7 @@ def test_light_load_timings_match_the_server_log():
     assert 0 <= ttft_err[len(ttft_err) // 2] < 3e6
     assert out["cold_status"] == "ok" and out["cold_connect"] > 0
     assert out["deadline"][0] == "timeout"
+    assert out["fallback"] == ["ok", 30, 30]
     assert out["idle_ok"][:2] == ["ok", 30] and out["idle_ok"][2] > 0.3e9
     assert out["idle_hang"][0] == "timeout" and "socket timeout" in out["idle_hang"][1]
     assert out["http"][:2] == ["http_error", 404] and "does not exist" in out["http"][2]
