@@ -168,6 +168,7 @@ def test_processes_mode_each_worker_writes_its_shard(server, config, tmp_path):
                "constant", "--kvbench-rates", "20", "--kvbench-stage-duration", "2", users=2,
                run_time="20s")
     out, _ = p.communicate(timeout=60)
+    assert (tmp_path / "mix" / "run.json").exists(), out[-4000:]
     t, meta = check_run(tmp_path / "mix")
     workers = set(t.column("worker").to_pylist())
     assert len(workers) == 2 and len(meta["hosts"]) == 1
