@@ -20,6 +20,7 @@ zero-width interval.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from xml.sax.saxutils import escape, quoteattr
 
@@ -107,6 +108,56 @@ def _count_noise(reps: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarr
     return reps * (rng.poisson(n, size=len(reps)) / n)
 
 
+PAIRED_MIN = 30  # fewer matched requests than this: the unpaired interval is used
+PAIRED_MAX = 50_000  # a seeded subsample of matched requests above this (wider, never narrower)
+_BLOCK_ELEMENTS = 4_000_000
+
+
+def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info, resamples: int,
+                  rng: np.random.Generator) -> tuple[np.ndarray, int] | None:
+    """Replicates of current/baseline for a per-request quantile or mean, resampling the
+    requests both runs sent (matched on session and turn) with the same indices in both.
+
+    With the same seeded schedule, request i is the same prompt at the same offset in both
+    runs, so its latencies are correlated; resampling pairs measures the noise of the
+    difference instead of the two runs' spreads added together. ITL (pooled gaps) and rates
+    are not per request and keep the unpaired interval."""
+    if info.column is None or info.column == "itl_ms":
+        return None
+    kb = fb["session_id"].astype(str).to_numpy() + "\x1f" + fb["turn"].astype(str).to_numpy()
+    kc = fc["session_id"].astype(str).to_numpy() + "\x1f" + fc["turn"].astype(str).to_numpy()
+    common, ib, ic = np.intersect1d(kb, kc, assume_unique=False, return_indices=True)
+    n = len(common)
+    if n < PAIRED_MIN:
+        return None
+    # A guard against ids that match but requests that do not: the same prompt has the same
+    # length in both runs.
+    pb = fb["prompt_tokens"].to_numpy(np.float64)[ib]
+    pc_ = fc["prompt_tokens"].to_numpy(np.float64)[ic]
+    if np.mean(pb == pc_) < 0.9:
+        return None
+    vb = fb[info.column].to_numpy(np.float64)[ib]
+    vc = fc[info.column].to_numpy(np.float64)[ic]
+    if n > PAIRED_MAX:
+        keep = rng.choice(n, PAIRED_MAX, replace=False)
+        vb, vc, n = vb[keep], vc[keep], PAIRED_MAX
+    reps = np.empty(resamples)
+    block = max(1, _BLOCK_ELEMENTS // n)
+    for s in range(0, resamples, block):
+        e = min(s + block, resamples)
+        idx = rng.integers(0, n, (e - s, n))
+        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (failed requests)
+            if info.q is not None:
+                sb = np.nanquantile(vb[idx], info.q, axis=1)
+                sc = np.nanquantile(vc[idx], info.q, axis=1)
+            else:
+                sb = np.nanmean(vb[idx], axis=1)
+                sc = np.nanmean(vc[idx], axis=1)
+            reps[s:e] = sc / sb
+    return reps, n
+
+
 def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
     reps = reps[np.isfinite(reps)]
     if len(reps) == 0:
@@ -192,8 +243,14 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
             reps_b = _count_noise(reps_b, len(fb), rng)
             reps_c = _count_noise(reps_c, len(fc), rng)
             note = "arrival schedules differ: the rate's interval includes Poisson count noise"
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = reps_c / reps_b[rng.permutation(len(reps_b))]
+        paired = _paired_ratio(fb, fc, info, b, rng) if shared_schedule else None
+        if paired is not None:
+            ratio, n_pairs = paired
+            note = (f"paired bootstrap over {n_pairs} requests replayed in both runs "
+                    "(same seeded schedule)")
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = reps_c / reps_b[rng.permutation(len(reps_b))]
         lo, hi = _interval(ratio, conf)
         if math.isnan(lo):
             verdict = "inconclusive"

@@ -27,7 +27,7 @@ def _run(tmp_path: Path, name: str, seed: int, slow: float = 1.0, n: int = 300,
     ep = EndpointShape("colocated", slowdown=slow, error_rate=error_rate)
     shape = RunShape(endpoints=[ep], requests_per_stage=n, seed=seed)
     table, stages = synth_table(shape, run_id=name)
-    cfg = suite_cfg or {"suite": {"name": "synthetic"}, "slo": {},
+    cfg = suite_cfg or {"suite": {"name": "synthetic", "seed": seed}, "slo": {},
                         "gate": RULES.model_dump(by_alias=True)}
     meta = run_meta(shape, stages, run_id=name, config=cfg)
     return write_run(tmp_path / name, table, meta)
@@ -132,3 +132,41 @@ def test_cli_errors_are_one_sentence_exit_3(tmp_path):
     (cur / "run.json").write_text(json.dumps(cfg))
     p = _cli("--baseline", str(_run(tmp_path, "b2", 3)), "--current", str(cur))
     assert p.returncode == 3 and "ttft_p42" in p.stderr and "Traceback" not in p.stderr
+
+
+def _scaled(table, factor, noise_sigma, seed):
+    """The same requests with every latency scaled by ``factor`` and per-request noise."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    jitter = factor * rng.lognormal(0, noise_sigma, table.num_rows)
+    cols = {}
+    for name in ("ttft_ns", "e2e_ns"):
+        v = table.column(name).to_numpy(zero_copy_only=False).astype(float)
+        cols[name] = pa.array((v * jitter).astype("int64"))
+    offs = table.column("chunk_offsets_ns").to_pylist()
+    cols["chunk_offsets_ns"] = pa.array([[int(x * j) for x in o] if o else o
+                                         for o, j in zip(offs, jitter)], pa.list_(pa.int64()))
+    for name, arr in cols.items():
+        table = table.set_column(table.schema.get_field_index(name), name, arr)
+    return table
+
+
+@pytest.mark.parametrize("factor, expected", [(1.0, "pass"), (1.2, "fail")])
+def test_same_schedule_runs_are_compared_request_by_request(tmp_path, factor, expected):
+    # A mixed-class run whose pooled TTFT spread is wide; replayed with 5% per-request noise.
+    # Paired on the same requests, the interval is about 2.5x narrower than unpaired.
+    shape = RunShape(endpoints=[EndpointShape("colocated")], requests_per_stage=300, seed=9)
+    table, stages = synth_table(shape, run_id="b")
+    cfg = {"suite": {"name": "synthetic", "seed": 9}, "slo": {},
+           "gate": RULES.model_dump(by_alias=True)}
+    b = write_run(tmp_path / "b", table, run_meta(shape, stages, run_id="b", config=cfg))
+    c = write_run(tmp_path / "c", _scaled(table, factor, 0.05, 1),
+                  run_meta(shape, stages, run_id="c", config=cfg))
+    rules = GateConfig(rules=[GateRule(metric="ttft_p50", max_increase_pct=10),
+                              GateRule(metric="e2e_p90", max_increase_pct=10)])
+    res = gate.evaluate(load_results(b), load_results(c), rules, slo={})
+    assert [r.verdict for r in res] == [expected, expected], [r.describe() for r in res]
+    assert all("paired bootstrap" in r.note for r in res)
+    assert all((r.high - r.low) / factor < 0.08 for r in res), [r.describe() for r in res]
