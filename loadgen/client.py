@@ -290,9 +290,10 @@ class StreamingClient:
     """Sends one streaming request at a time per call; share it between greenlets freely."""
 
     def __init__(self, pool: ConnectionPool, *, headers: dict[str, str] | None = None,
-                 deadline_s: float = 600.0) -> None:
+                 deadline_s: float = 600.0, tokenizer=None) -> None:
         self.pool = pool
         self.deadline_s = deadline_s
+        self.tokenizer = tokenizer  # estimates tokens of multi-token chunks (None: built-in)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._head_tail = (f"Host: {pool.target.host_header}\r\n"
                            "Content-Type: application/json\r\n"
@@ -435,7 +436,7 @@ class StreamingClient:
         ctype = headers.get(b"content-type", b"").lower()
         streaming = status == 200 and b"text/event-stream" in ctype
         parser = SSEParser()
-        state = StreamState(t0, keep_text)
+        state = StreamState(t0, keep_text, self.tokenizer)
         res.offsets_ns, res.tokens = state.offsets_ns, state.tokens  # kept if it fails midway
         errbody = []
         complete = False
@@ -488,7 +489,7 @@ class StreamingClient:
             if state.offsets_ns:
                 res.ttft_ns = state.offsets_ns[0]
             res.prompt_tokens = state.prompt_tokens
-            res.completion_tokens_client = len(state.tokens)
+            res.completion_tokens_client = state.completion_tokens_client
             res.completion_tokens = (state.completion_tokens if state.completion_tokens
                                      is not None else len(state.tokens))
             res.cached_tokens = state.cached_tokens

@@ -34,6 +34,7 @@ from loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from loadgen.openai import request_body, request_path
 from loadgen.pacing import PACINGS, OpenLoopDispatcher, StagePlan, cycle_requests, shard
 from loadgen.sink import COLUMNS, RecordSink, merge_proc_meta, read_proc_meta
+from workloads.tokenizer import get_tokenizer
 
 log = logging.getLogger("kvbench.loadgen")
 
@@ -207,6 +208,8 @@ class LoadContext:
         self.dispatcher: OpenLoopDispatcher | None = None
         self.t_start_ns = time.time_ns()
         self.ignore_eos = o.kvbench_ignore_eos
+        cfg = self.cfg or self.cfg_effective  # the workload's tokenizer sizes multi-token chunks
+        self.tokenizer = get_tokenizer(cfg.suite.tokenizer if cfg is not None else None)
 
     _lock = gevent.lock.RLock()  # users start concurrently; the context is built once
 
@@ -290,7 +293,8 @@ class LoadContext:
     def new_client(self, pool: ConnectionPool | None = None) -> StreamingClient:
         pool = pool or ConnectionPool(self.target, read_timeout_s=self.timeout_s,
                                       cold=not self.warm)
-        return StreamingClient(pool, headers=self.headers, deadline_s=self.timeout_s)
+        return StreamingClient(pool, headers=self.headers, deadline_s=self.timeout_s,
+                               tokenizer=self.tokenizer)
 
     # -- the request
     def send(self, client: StreamingClient, req, t_scheduled_ns: int | None, stage: int,

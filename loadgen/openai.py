@@ -4,8 +4,17 @@ Token accounting (see ../shared/ENGINES.md): a choices chunk whose delta/text re
 generated token counts as one token even when its text is empty (special or partial-UTF-8
 tokens); a chat delta that only announces the role is not a token; an empty chunk carrying
 ``finish_reason`` counts only when the server's usage says it did (vLLM's EOS, not llama.cpp's
-closing chunk). Usage is taken wherever it appears (a ``choices: []`` chunk for vLLM, the
-``finish_reason`` chunk for llama.cpp completions); the last one seen wins.
+closing chunk) and the tokenizer finds no more than one token a chunk in the text before it.
+Usage is taken wherever it appears (a ``choices: []`` chunk for vLLM, the ``finish_reason``
+chunk for llama.cpp completions); the last one seen wins.
+
+Token counts come from the server's usage; the client's counts are a check. A chunk may carry
+several tokens (speculative decoding, vLLM's stream interval, SGLang): when usage reports N
+tokens over K < N token-carrying chunks, the stream is fine and ``chunk_tokens`` is estimated at
+settle time from the configured tokenizer's count of each chunk's text, scaled to sum to N (see
+``apportion``). More chunks than tokens (K > N) is a protocol error. Without any usage (the
+Python server of llama-cpp-python) each chunk counts one token, which undercounts multi-token
+chunks: nothing in such a stream says how many tokens a chunk held.
 """
 
 from __future__ import annotations
@@ -58,18 +67,44 @@ def _error_text(obj: dict) -> str:
     return str(err)
 
 
+def apportion(weights: list[int], total: int) -> list[int]:
+    """Split ``total`` over chunks in proportion to ``weights`` (largest remainder), every chunk
+    getting at least 1; needs ``total >= len(weights) > 0``. A chunk's weight is only an
+    estimate of its tokens: tokenizing chunks apart can differ from the server's tokenization."""
+    k = len(weights)
+    w = [x if x > 0 else 1 for x in weights]
+    sw = sum(w)
+    quotas = [total * x / sw for x in w]
+    alloc = [int(q) or 1 for q in quotas]
+    diff = total - sum(alloc)
+    if diff > 0:  # fewer than k short: one more each to the largest remainders
+        for i in sorted(range(k), key=lambda i: alloc[i] - quotas[i])[:diff]:
+            alloc[i] += 1
+    while diff < 0:  # chunks raised to 1 took too much: take back from the most over-quota
+        for i in sorted(range(k), key=lambda i: quotas[i] - alloc[i]):
+            if alloc[i] > 1:
+                alloc[i] -= 1
+                diff += 1
+                if diff == 0:
+                    break
+    return alloc
+
+
 class StreamState:
     """Everything learnt from one response stream, fed with SSE events as they arrive.
 
     ``offsets_ns``/``tokens`` list the token-carrying chunks (arrival offset from the send on
-    the monotonic clock, tokens in the chunk). ``text`` is kept only when ``keep_text``.
+    the monotonic clock, tokens in the chunk: 1 until ``settle`` estimates multi-token chunks
+    with ``tokenizer``, the built-in one when None). ``parts`` holds each such chunk's text
+    (None when it had none), aligned with ``offsets_ns``; ``keep_text`` only tells the caller
+    to hand the text on. ``completion_tokens_client`` is set by ``settle``.
     """
 
     __slots__ = ("t0_ns", "offsets_ns", "tokens", "done", "finish_reason", "finish_offset_ns",
                  "prompt_tokens", "completion_tokens", "cached_tokens", "error", "bad",
-                 "keep_text", "parts", "chunks")
+                 "keep_text", "parts", "chunks", "tokenizer", "completion_tokens_client")
 
-    def __init__(self, t0_ns: int, keep_text: bool = False) -> None:
+    def __init__(self, t0_ns: int, keep_text: bool = False, tokenizer=None) -> None:
         self.t0_ns = t0_ns
         self.offsets_ns: list[int] = []
         self.tokens: list[int] = []
@@ -82,8 +117,10 @@ class StreamState:
         self.error: str | None = None  # the server reported an error in the stream
         self.bad: str | None = None  # the stream broke the protocol
         self.keep_text = keep_text
-        self.parts: list[str] = []
+        self.parts: list = []  # text of each token-carrying chunk, as received
         self.chunks = 0  # data events seen, token-carrying or not
+        self.tokenizer = tokenizer
+        self.completion_tokens_client: int | None = None
 
     def on_events(self, events: list, t_ns: int) -> None:
         """Account for the events of one socket read that arrived at monotonic ``t_ns``."""
@@ -140,8 +177,7 @@ class StreamState:
                     continue
             self.offsets_ns.append(offset_ns)
             self.tokens.append(1)
-            if text and self.keep_text:
-                self.parts.append(text if type(text) is str else str(text))
+            self.parts.append(text)  # normalised at settle time, not here
 
     def _usage(self, usage: dict) -> None:
         pt = usage.get("prompt_tokens")
@@ -156,18 +192,23 @@ class StreamState:
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return "".join(t if type(t) is str else str(t) for t in self.parts if t)
 
     def settle(self, body_complete: bool) -> tuple[str, str | None]:
         """``(status, error)`` once the response body ended; ``body_complete`` is False when
-        the connection dropped before the HTTP body was complete."""
+        the connection dropped before the HTTP body was complete. Also sets
+        ``completion_tokens_client`` and, for multi-token chunks, ``tokens``."""
         client = len(self.tokens)
-        if (self.finish_offset_ns is not None and self.completion_tokens is not None
-                and self.completion_tokens == client + 1):
-            self.offsets_ns.append(self.finish_offset_ns)  # the server counted it (EOS)
+        usage_n = self.completion_tokens
+        if (self.finish_offset_ns is not None and usage_n is not None
+                and usage_n == client + 1 and self._tokenizer().count(self.text) <= client):
+            # the server counted it (EOS), unless the text chunks hold the extra token
+            self.offsets_ns.append(self.finish_offset_ns)
             self.tokens.append(1)
+            self.parts.append(None)
             self.finish_offset_ns = None
             client += 1
+        self.completion_tokens_client = client
         if self.error is not None:
             return "http_error", f"stream error: {self.error}"[:300]
         if self.bad is not None:
@@ -176,7 +217,25 @@ class StreamState:
             return "disconnected", "connection closed before the stream ended"
         if not self.done and self.finish_reason is None:
             return "protocol_error", "stream ended without [DONE] or finish_reason"
-        if self.completion_tokens is not None and self.completion_tokens != client:
-            return "protocol_error", (f"token count mismatch: {client} token chunks, usage says "
-                                      f"{self.completion_tokens}")
+        if usage_n is None or usage_n == client:
+            return "ok", None
+        if usage_n < client or client == 0:
+            return "protocol_error", (f"usage reports {usage_n} tokens but {client} "
+                                      "token-carrying chunks arrived")
+        self._multi_token(usage_n)
         return "ok", None
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            from workloads.tokenizer import get_tokenizer
+
+            self.tokenizer = get_tokenizer()
+        return self.tokenizer
+
+    def _multi_token(self, usage_n: int) -> None:
+        """K token-carrying chunks held ``usage_n`` > K tokens: estimate each chunk's share."""
+        tok = self._tokenizer()
+        texts = [t if type(t) is str else ("" if t is None else str(t)) for t in self.parts]
+        count = tok.count
+        self.tokens[:] = apportion([count(t) if t else 1 for t in texts], usage_n)
+        self.completion_tokens_client = count("".join(texts))

@@ -9,8 +9,10 @@ Run: ``python -m loadgen.testing --port 0 [--ttft-ms 50 --itl-ms 10 --style vllm
 ``loadgen.testing: listening on http://HOST:PORT``. ``GET /log`` returns and clears the send
 log. Request header ``x-test-fault`` injects: ``http500``, ``error`` (error object after 2
 chunks), ``disconnect`` (drop after 2 chunks), ``no-done``, ``empty`` (empty-text tokens),
-``mismatch`` (usage says one more token), ``keepalive`` (comment lines between chunks),
-``hang`` (headers, then nothing).
+``mismatch`` (usage says one token fewer than the chunks carried), ``keepalive`` (comment
+lines between chunks), ``hang`` (headers, then nothing). Request header ``x-test-chunk-tokens: K``
+sends K tokens a chunk (the last chunk holds the rest), as speculative decoding or a stream
+interval does; usage counts tokens, not chunks.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ _now = time.monotonic_ns
 
 class Stream:
     __slots__ = ("w", "rid", "left", "n", "chat", "fault", "sends", "recv_ns", "prompt_tokens",
-                 "closed")
+                 "closed", "per_chunk")
 
-    def __init__(self, w, rid, max_tokens, chat, fault, recv_ns, prompt_tokens):
+    def __init__(self, w, rid, max_tokens, chat, fault, recv_ns, prompt_tokens, per_chunk=1):
         self.w, self.rid, self.left, self.n = w, rid, max_tokens, 0
+        self.per_chunk = per_chunk
         self.chat, self.fault, self.recv_ns = chat, fault, recv_ns
         self.sends: list[int] = []
         self.prompt_tokens = prompt_tokens
@@ -99,22 +102,23 @@ class Server:
         if s.closed or s.w.is_closing():
             self.finish(s)
             return
-        if s.left > 1 and not s.fault:  # the common chunk: bytes built once per server
+        if s.left > 1 and not s.fault and s.per_chunk == 1:  # the common chunk: bytes built once
             s.left -= 1
             s.n += 1
             s.sends.append(_now())
             s.w.write(self._plain[s.chat])
             return
-        text = "" if s.fault == "empty" else " tok"
+        k = min(s.per_chunk, s.left)
+        text = "" if s.fault == "empty" else " tok" * k
         out = []
         if s.fault == "keepalive":
             out.append(_chunk(b": ping\n\n"))
-        s.left -= 1
-        s.n += 1
+        s.left -= k
+        s.n += k
         last = s.left == 0
         obj = self.token_payload(s, text)
         usage = {"prompt_tokens": s.prompt_tokens,
-                 "completion_tokens": s.n + (1 if s.fault == "mismatch" else 0),
+                 "completion_tokens": s.n - (1 if s.fault == "mismatch" else 0),
                  "prompt_tokens_details": {"cached_tokens": 0}}
         if last and self.style == "llamacpp" and not s.chat:
             out.append(_chunk(b"data: " + orjson.dumps(obj) + b"\n\n"))
@@ -211,7 +215,8 @@ class Server:
                         continue
                     rid = hdr.get("x-request-id") or f"anon-{len(self.log)}-{recv_ns}"
                     s = Stream(writer, rid, max(1, int(req.get("max_tokens") or 16)),
-                               "messages" in req, fault, recv_ns, self.prompt_tokens(req))
+                               "messages" in req, fault, recv_ns, self.prompt_tokens(req),
+                               max(1, int(hdr.get("x-test-chunk-tokens") or 1)))
                     done = asyncio.get_running_loop().create_future()
                     asyncio.get_running_loop().call_later(self.ttft_s, self.start_stream, s)
                     if fault == "hang":

@@ -135,10 +135,14 @@ def test_statuses():
     s = StreamState(0)
     s.on_events([(None, b"{not json")], 1)
     assert s.settle(True)[0] == "protocol_error"
-    s = StreamState(0)
-    s.on_events([chat("a"), ev({"choices": [], "usage": usage(1, 5)}), (None, b"[DONE]")], 1)
+    s = StreamState(0)  # more token-carrying chunks than tokens
+    s.on_events([chat("a"), chat("b"), ev({"choices": [], "usage": usage(1, 1)}),
+                 (None, b"[DONE]")], 1)
     assert s.settle(True) == ("protocol_error",
-                              "token count mismatch: 1 token chunks, usage says 5")
+                              "usage reports 1 tokens but 2 token-carrying chunks arrived")
+    s = StreamState(0)  # fewer chunks than tokens, but the stream did not end properly
+    s.on_events([chat("a b"), ev({"choices": [], "usage": usage(1, 2)})], 1)
+    assert s.settle(True)[0] == "protocol_error" and s.tokens == [1]
     s = StreamState(0)  # no usage at all (llama-cpp-python): the client count stands
     s.on_events([chat("a"), chat("b", finish="stop")], 1)
     assert s.settle(True) == ("ok", None) and len(s.tokens) == 2
