@@ -187,15 +187,11 @@ class LoadContext:
         self.warm = (profile.warmup_connections if profile else True) and \
             not o.kvbench_cold_connections
         self.model = o.kvbench_model or getattr(ep, "model", None) or self._first_model()
-        headers = dict(getattr(ep, "headers", None) or {})
-        key_env = o.kvbench_api_key_env or getattr(ep, "api_key_env", None)
-        if key_env:
-            key = os.environ.get(key_env)
-            if not key:
-                raise UserError(f"environment variable {key_env} (the API key) is not set; "
-                                "export it or drop --kvbench-api-key-env")
-            headers["Authorization"] = f"Bearer {key}"
-        self.headers = headers
+        from loadgen.openai import auth_headers
+
+        self.headers = auth_headers(getattr(ep, "headers", None),
+                                    o.kvbench_api_key_env or getattr(ep, "api_key_env", None),
+                                    f"endpoint {self.endpoint!r}")
         self.run_id = o.kvbench_run_id or _new_run_id(self.cfg)
         self.run_dir = Path(o.kvbench_results) / self.run_id
         self.sink = RecordSink(self.run_dir)

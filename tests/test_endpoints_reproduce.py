@@ -7,7 +7,6 @@ import asyncio
 
 import aiohttp
 import numpy as np
-import pytest
 
 from endpoints import costmodel as cm
 from endpoints import profiles as pf

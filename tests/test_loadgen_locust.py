@@ -2,7 +2,6 @@
 requests started, Parquet and run.json written; SIGINT and SIGTERM lose nothing."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

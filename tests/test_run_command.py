@@ -1,6 +1,5 @@
 """kvbench run end to end against the logging test server (an openai endpoint)."""
 
-import json
 import subprocess
 import sys
 import urllib.request

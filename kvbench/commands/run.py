@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import queue
 import signal
 import subprocess
@@ -206,15 +205,10 @@ def _http_json(url: str, payload: dict | None = None, headers: dict | None = Non
 
 
 def _auth(ep) -> dict:
-    h = dict(getattr(ep, "headers", None) or {})
-    env = getattr(ep, "api_key_env", None)
-    if env:
-        key = os.environ.get(env)
-        if not key:
-            raise UserError(f"endpoint {ep.name!r}: environment variable {env} (its API key) "
-                            "is not set; export it before kvbench run")
-        h["Authorization"] = f"Bearer {key}"
-    return h
+    from loadgen.openai import auth_headers
+
+    return auth_headers(getattr(ep, "headers", None), getattr(ep, "api_key_env", None),
+                        f"endpoint {ep.name!r}")
 
 
 def _preflight(ep, url: str, workloads: dict) -> tuple[str, int | None]:
