@@ -154,6 +154,16 @@ class BenchConfig(Strict):
     gate: GateConfig = GateConfig()
     collect: CollectConfig = CollectConfig()
 
+    def public_dump(self) -> dict:
+        """The resolved config for run.json and reports, with header values that look like
+        credentials masked (keys belong in the environment, never in results)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        for ep in data.get("endpoints", []):
+            for k in list((ep.get("headers") or {})):
+                if any(w in k.lower() for w in ("auth", "key", "token", "secret", "cookie")):
+                    ep["headers"][k] = "***"
+        return data
+
     def endpoint(self, name: str):
         for ep in self.endpoints:
             if ep.name == name:

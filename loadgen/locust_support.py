@@ -604,7 +604,7 @@ def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float
         "suite": cfg.suite.name if cfg else "locust",
         "started_ns": _State.started_ns or (ctx.t_start_ns if ctx else None),
         "ended_ns": time.time_ns(),
-        "config": cfg.model_dump(mode="json") if cfg else {},
+        "config": cfg.public_dump() if cfg else {},
         "versions": store.versions(),
         "git_commit": store.git_commit(Path(__file__).resolve().parent.parent),
         "hosts": sorted({m.get("host") for m in metas if m.get("host")}),

@@ -19,3 +19,21 @@ def test_missing_key_is_one_sentence_naming_the_variable(monkeypatch):
         auth_headers({}, "KVB_TEST_KEY", "endpoint 'staging'")
     msg = str(ei.value)
     assert "KVB_TEST_KEY" in msg and "'staging'" in msg and "\n" not in msg
+
+
+def test_credentials_in_config_headers_are_masked_in_the_resolved_config():
+    from pathlib import Path
+
+    from kvbench.config import load_config, parse_config
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "bench.toml").read_text())
+    data["endpoints"].append({"name": "vendor", "kind": "openai", "url": "http://127.0.0.1:9",
+                              "headers": {"Authorization": "Bearer sk-live",
+                                          "x-route": "eu"}})
+    dumped = parse_config(data).public_dump()
+    vendor = [e for e in dumped["endpoints"] if e["name"] == "vendor"][0]
+    assert vendor["headers"] == {"Authorization": "***", "x-route": "eu"}
+    assert "sk-live" not in str(dumped)
+    assert load_config(root / "bench.toml").public_dump()["gate"]["rules"][0]["class"] == "*"

@@ -410,7 +410,7 @@ def _finish(run_dir, run_id, cfg, started_ns, ep_info, workloads, extra, results
     metas = read_proc_meta(run_dir)
     meta = {
         "run_id": run_id, "suite": cfg.suite.name, "started_ns": started_ns,
-        "ended_ns": time.time_ns(), "config": cfg.model_dump(mode="json", by_alias=True),
+        "ended_ns": time.time_ns(), "config": cfg.public_dump(),
         "versions": store.versions(), "git_commit": store.git_commit(Path.cwd()),
         "hosts": sorted({m.get("host") for m in metas if m.get("host")}),
         "endpoints": ep_info, "stages": merged["stages"],
