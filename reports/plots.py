@@ -31,6 +31,11 @@ def _fig(fig: go.Figure, key: str, title: str, note: str = "") -> Figure:
     return Figure(key=key, title=title, note=note, data=d["data"], layout=d["layout"])
 
 
+def _colour(i: int) -> str:
+    palette = plotly.colors.qualitative.Plotly
+    return palette[i % len(palette)]
+
+
 def _times_rel_s(frame: pd.DataFrame) -> np.ndarray:
     """Seconds since each endpoint's first send (endpoints of a bake-off ran at other times)."""
     t = frame["t_sent_ns"].to_numpy()
@@ -139,51 +144,73 @@ def _bin_edges(t_s: np.ndarray) -> np.ndarray:
     return np.linspace(0, max(hi, 1e-3) * 1.000001, TIME_BINS + 1)
 
 
+MIN_REQUESTS_PER_BIN = 10  # fewer and a bin's ratio is one or two requests' luck
+
+
 def hit_ratio_over_time(d: ReportData) -> Figure | None:
+    """Per endpoint, the prefix hit ratio in time bins of at least ~10 requests: from the
+    server's cached_tokens (solid) and from engine counter increases in the same bins (dotted),
+    over the time that endpoint was under load."""
     f = d.frame
     fig = go.Figure()
     has = False
     t = _times_rel_s(f)
-    rows = (f["ok"] & f["cached_tokens"].notna() & f["prompt_tokens"].notna()).to_numpy()
-    if rows.any():
-        edges = _bin_edges(t[rows])
-        centre = (edges[1:] + edges[:-1]) / 2
-        eps = f["endpoint"].to_numpy()[rows]
-        for ep in d.endpoint_names:
-            m = eps == ep
-            if not m.any():
-                continue
-            b = np.clip(np.searchsorted(edges, t[rows][m], side="right") - 1, 0, TIME_BINS - 1)
-            cached = np.bincount(b, f["cached_tokens"].to_numpy()[rows][m], TIME_BINS)
-            prompt = np.bincount(b, f["prompt_tokens"].to_numpy()[rows][m], TIME_BINS)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                ratio = np.where(prompt > 0, cached / prompt, np.nan)
-            fig.add_trace(go.Scatter(x=centre, y=ratio, mode="lines", name=f"{ep} (cached_tokens)",
-                                     connectgaps=False))
-            has = True
+    ok = (f["ok"] & f["prompt_tokens"].notna()).to_numpy()
+    has_cached = f["cached_tokens"].notna().to_numpy()
+    eps = f["endpoint"].to_numpy()
+    first_ns = f.groupby("endpoint", observed=True)["t_sent_ns"].min()
     eng = d.engine
+    e = None
     if eng.num_rows:
         e = eng.select(["t_ns", "endpoint", "metric", "value"]).to_pandas()
         e = e[e["metric"].isin([M.PREFIX_HITS, M.PREFIX_QUERIES])]
-        for ep, rows_e in e.groupby("endpoint"):
-            piv = rows_e.pivot_table(index="t_ns", columns="metric", values="value",
-                                     aggfunc="sum").sort_index()
-            if M.PREFIX_HITS not in piv or M.PREFIX_QUERIES not in piv or len(piv) < 2:
-                continue
-            dh = piv[M.PREFIX_HITS].diff().clip(lower=0)
-            dq = piv[M.PREFIX_QUERIES].diff().clip(lower=0)
-            ratio = (dh / dq.where(dq > 0)).to_numpy()[1:]
-            first = f.loc[f["endpoint"] == ep, "t_sent_ns"].min() if (
-                f["endpoint"] == ep).any() else piv.index[0]
-            x = (piv.index.to_numpy()[1:] - first) / 1e9
-            fig.add_trace(go.Scatter(x=x, y=ratio, mode="lines", line=dict(dash="dot"),
-                                     name=f"{ep} (engine counters)"))
+    for i, ep in enumerate(d.endpoint_names):
+        m = ok & (eps == ep)
+        if not m.any():
+            continue
+        n_bins = int(min(TIME_BINS, max(3, m.sum() // MIN_REQUESTS_PER_BIN)))
+        hi = float(np.nanmax(t[m]))
+        edges = np.linspace(0, max(hi, 1e-3) * 1.000001, n_bins + 1)
+        centre = (edges[1:] + edges[:-1]) / 2
+        colour = _colour(i)
+        mc = m & has_cached
+        if mc.any():
+            b = np.clip(np.searchsorted(edges, t[mc], side="right") - 1, 0, n_bins - 1)
+            cached = np.bincount(b, f["cached_tokens"].to_numpy()[mc], n_bins)
+            prompt = np.bincount(b, f["prompt_tokens"].to_numpy()[mc], n_bins)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = np.where(prompt > 0, cached / prompt, np.nan)
+            fig.add_trace(go.Scatter(x=centre, y=ratio, mode="lines+markers",
+                                     name=f"{ep} (cached_tokens)", line=dict(color=colour)))
             has = True
+        if e is None or ep not in first_ns.index:
+            continue
+        rows_e = e[e["endpoint"] == ep]
+        piv = rows_e.pivot_table(index="t_ns", columns="metric", values="value",
+                                 aggfunc="sum").sort_index()
+        if M.PREFIX_HITS not in piv or M.PREFIX_QUERIES not in piv or len(piv) < 2:
+            continue
+        dh = piv[M.PREFIX_HITS].diff().clip(lower=0).to_numpy()[1:]
+        dq = piv[M.PREFIX_QUERIES].diff().clip(lower=0).to_numpy()[1:]
+        x = (piv.index.to_numpy()[1:] - int(first_ns[ep])) / 1e9
+        inside = (x >= edges[0]) & (x <= edges[-1] + (edges[1] - edges[0]))
+        if not inside.any():
+            continue
+        b = np.clip(np.searchsorted(edges, x[inside], side="right") - 1, 0, n_bins - 1)
+        hits = np.bincount(b, dh[inside], n_bins)
+        queries = np.bincount(b, dq[inside], n_bins)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(queries > 0, hits / queries, np.nan)
+        fig.add_trace(go.Scatter(x=centre, y=ratio, mode="lines", line=dict(dash="dot",
+                                 color=colour), name=f"{ep} (engine counters)"))
+        has = True
     if not has:
         return None
     fig.update_xaxes(title_text="seconds since the endpoint's first request")
     fig.update_yaxes(title_text="prefix hit ratio", range=[0, 1.05])
-    return _fig(fig, "hit_ratio_time", "Prefix-cache hit ratio over time")
+    return _fig(fig, "hit_ratio_time", "Prefix-cache hit ratio over time",
+                f"Ratios per time bin of at least {MIN_REQUESTS_PER_BIN} requests (up to "
+                f"{TIME_BINS} bins): cached prompt tokens / prompt tokens.")
 
 
 def gpu_timelines(d: ReportData) -> Figure | None:
