@@ -100,6 +100,9 @@ class ReportData:
     endpoints: dict[str, dict] = field(default_factory=dict)  # label -> run.json endpoint entry
     stages: list[dict] = field(default_factory=list)  # run.json stages, endpoint = label
     workloads: dict[str, dict] = field(default_factory=dict)  # name -> describe() dict
+    # per endpoint and workload: describe() of the requests actually sent (run.json
+    # workloads_sent), as rows {endpoint, workload, **describe}
+    workloads_sent: list[dict] = field(default_factory=list)
 
     @property
     def endpoint_names(self) -> list[str]:
@@ -138,6 +141,7 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
     endpoints: dict[str, dict] = {}
     stages: list[dict] = []
     workloads: dict[str, dict] = {}
+    sent: list[dict] = []
     for r in results:
         run_id = str(r.meta.get("run_id") or r.path.name)
 
@@ -156,13 +160,17 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
         for wname, desc in (r.meta.get("workloads") or {}).items():
             if isinstance(desc, dict):
                 workloads.setdefault(wname, desc)
+        for ep, per_wl in (r.meta.get("workloads_sent") or {}).items():
+            for wname, desc in (per_wl or {}).items():
+                if isinstance(desc, dict):
+                    sent.append({**desc, "endpoint": label(str(ep)), "workload": wname})
         gpus.append(_relabel(r.gpu, label))
         engines.append(_relabel(r.engine, label))
     frame = concat(frames)
     return ReportData(frame=frame, runs=[r.meta for r in results],
                       paths=[r.path for r in results], gpu=pa.concat_tables(gpus),
                       engine=pa.concat_tables(engines), slo=slo_d, endpoints=endpoints,
-                      stages=stages, workloads=workloads)
+                      stages=stages, workloads=workloads, workloads_sent=sent)
 
 
 def _relabel(t: pa.Table, label) -> pa.Table:

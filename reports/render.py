@@ -207,6 +207,7 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
                        for x in (r.get("incomplete") or []) if isinstance(x, dict)],
         "counts": {r.get("run_id"): r.get("counts") for r in d.runs if r.get("counts")},
         "workloads": d.workloads,
+        "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
     }
 
