@@ -677,16 +677,178 @@ def _rate_replicates(frame: pd.DataFrame, m: Metric, resamples: int,
     return index_replicates(frame, m.fn, resamples, rng)
 
 
+# ITL: a cluster bootstrap over requests. Gaps of one request share its load, batch and
+# output length, so they are correlated; resampling gaps as if independent would give an
+# interval several times too narrow. A replicate draws requests with replacement and pools
+# the gaps of the drawn requests with multiplicity: per replicate a vector of request counts
+# (multinomial weights), and the quantile of the weighted pooled gaps is found in one global
+# sort plus a cumulative weight over a slab of the sorted gaps around the quantile.
+
+ITL_MAX_REQUESTS = 20_000  # m-out-of-n above this many requests with gaps
+_SLAB_SDS = 6.0  # initial slab: the quantile's position +- this many bootstrap sds
+_BLOCK_ELEMENTS = 1_000_000  # per temporary in the ITL bootstrap (8 MB of float64)
+
+
+def _count_blocks(m: int, resamples: int, rng: np.random.Generator):
+    """Yield (start, end, W): W[b, r] = how often replicate b drew request r (float64)."""
+    block = max(1, _BLOCK_ELEMENTS // m)
+    for s in range(0, resamples, block):
+        e = min(s + block, resamples)
+        idx = rng.integers(0, m, (e - s, m))
+        idx += (np.arange(e - s, dtype=np.int64) * m)[:, None]
+        w = np.bincount(idx.ravel(), minlength=(e - s) * m).reshape(e - s, m)
+        yield s, e, w.astype(np.float64)
+
+
+class _SortedGaps:
+    """Gaps of m requests sorted once: values, the request of each, and slab caches."""
+
+    def __init__(self, vals: np.ndarray, req: np.ndarray, m: int):
+        order = np.argsort(vals, kind="stable")
+        self.v = vals[order]
+        self.r = req[order]
+        self.m = m
+        self._below: dict[int, np.ndarray] = {}
+
+    def below(self, a: int) -> np.ndarray:
+        """Per request, how many of its gaps sort before position ``a``."""
+        if a not in self._below:
+            self._below[a] = np.bincount(self.r[:a], minlength=self.m).astype(np.float64)
+        return self._below[a]
+
+    def locate(self, w: np.ndarray, ranks: np.ndarray, centre: int, half: int) -> np.ndarray:
+        """Sorted positions of the 0-based ``ranks`` (rows x k) in each row's weighted pool.
+
+        Position j holds rank k when cum(j - 1) <= k < cum(j), cum being the running sum of
+        the weights of the sorted gaps. Only a slab [centre - half, centre + half] is
+        scanned; rows whose ranks fall outside retry with a slab four times as wide."""
+        g = len(self.v)
+        out = np.full(ranks.shape, -1, np.int64)
+        todo = np.arange(len(w))
+        while len(todo):
+            a, z = max(centre - half, 0), min(centre + half + 1, g)
+            below, rs = self.below(a), self.r[a:z]
+            span = z - a
+            step = max(1, _BLOCK_ELEMENTS // max(span, 1))
+            for s in range(0, len(todo), step):
+                rows = todo[s:s + step]
+                wr = w[rows]
+                base = wr @ below
+                cum = np.cumsum(wr[:, rs], axis=1)
+                cum += base[:, None]
+                for j in range(ranks.shape[1]):
+                    k = ranks[rows, j]
+                    cnt = (cum <= k[:, None]).sum(axis=1)
+                    found = (base <= k) & (cnt < span)
+                    out[rows[found], j] = a + cnt[found]
+            todo = todo[(out[todo] < 0).any(axis=1)]
+            if a == 0 and z == g:  # the whole pool: every rank < N is found
+                break
+            half *= 4
+        return out
+
+
+def weighted_pool_quantiles(sg: "_SortedGaps", lens: np.ndarray, w: np.ndarray, q: float,
+                            half: int | None = None) -> np.ndarray:
+    """numpy-'linear' q-quantile of each row's pool (request r's gaps taken w[b, r] times).
+
+    ``half``: initial slab half-width in sorted positions (default from ``_slab_half``)."""
+    g = len(sg.v)
+    n_b = w @ lens
+    h = (n_b - 1) * q
+    k = np.floor(h)
+    frac = h - k
+    ranks = np.stack([k, np.minimum(k + 1, n_b - 1)], axis=1)
+    empty = n_b <= 0
+    ranks[empty] = 0
+    centre = int(round((g - 1) * q))
+    if half is None:
+        half = _slab_half(sg, lens, q)
+    pos = sg.locate(w, ranks, centre, max(int(half), 1))
+    lo, hi = sg.v[pos[:, 0]].astype(np.float64), sg.v[pos[:, 1]].astype(np.float64)
+    out = lo + frac * (hi - lo)
+    out[empty] = np.nan
+    return out
+
+
+def _slab_half(sg: "_SortedGaps", lens: np.ndarray, q: float) -> int:
+    """Half-width (positions) covering the replicate quantiles with high probability.
+
+    Delta method: at the pooled quantile t, the replicate's fraction of gaps <= t is
+    sum w c / sum w len with c[r] = request r's gaps <= t; its sd is
+    sqrt(sum (c - q len)^2) / sum len. Misses only cost a wider retry."""
+    g = len(sg.v)
+    t = sg.v[int(round((g - 1) * q))]
+    c = np.bincount(sg.r[:np.searchsorted(sg.v, t, side="right")], minlength=sg.m)
+    sd = math.sqrt(float(((c - q * lens) ** 2).sum())) / g
+    return int(_SLAB_SDS * sd * g) + 16
+
+
+def itl_replicates(frame: pd.DataFrame, q: float | None, resamples: int,
+                   rng: np.random.Generator, max_requests: int = ITL_MAX_REQUESTS,
+                   pooled: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """(estimate, cluster-bootstrap replicates) of the pooled-ITL q-quantile (mean if q None).
+
+    Requests with gaps are resampled with replacement and each replicate pools the gaps of
+    the drawn requests; above ``max_requests`` a seeded subsample of m requests is
+    bootstrapped and the spread rescaled by sqrt(m / n) (m-out-of-n, as ``mean_replicates``),
+    which assumes the quantile is root-n smooth. ``pooled``: the frame's pooled gaps, if
+    already gathered (only used for the estimate)."""
+    store = frame.attrs.get("itl")
+    if store is None:
+        itl_values(frame)  # raises the explanatory error
+    rows = np.asarray(frame["itl_row"].to_numpy(), np.int64)
+    lens = store.offsets[rows + 1] - store.offsets[rows]
+    rows, lens = rows[lens > 0], lens[lens > 0]
+    v = _clean(store.gather(rows) if pooled is None else pooled)
+    if len(v) == 0:
+        return math.nan, np.full(resamples, np.nan)
+    est = quantile(v, q) if q is not None else mean(v)
+    n = len(rows)
+    m = min(n, max(int(max_requests), 1))
+    if m < n:
+        pick = np.sort(rng.choice(n, m, replace=False))
+        rows, lens = rows[pick], lens[pick]
+    vals = store.gather(rows)
+    req = np.repeat(np.arange(m, dtype=np.int64), lens)
+    bad = np.isnan(vals)
+    if bad.any():
+        vals, req = vals[~bad], req[~bad]
+        lens = np.bincount(req, minlength=m)
+    lens = lens.astype(np.float64)
+    reps = np.empty(resamples)
+    if q is None:
+        sums = np.bincount(req, weights=vals, minlength=m)
+        centre = sums.sum() / lens.sum()
+        for s, e, w in _count_blocks(m, resamples, rng):
+            with np.errstate(invalid="ignore", divide="ignore"):
+                reps[s:e] = (w @ sums) / (w @ lens)
+    else:
+        sg = _SortedGaps(vals, req, m)
+        h = (len(sg.v) - 1) * q
+        i = int(math.floor(h))
+        centre = float(sg.v[i]) + (h - i) * (float(sg.v[min(i + 1, len(sg.v) - 1)])
+                                             - float(sg.v[i]))
+        half = _slab_half(sg, lens, q)
+        for s, e, w in _count_blocks(m, resamples, rng):
+            reps[s:e] = weighted_pool_quantiles(sg, lens, w, q, half)
+    if m < n:
+        return est, est + (reps - centre) * math.sqrt(m / n)
+    return est, reps
+
+
 def bootstrap_replicates(frame: pd.DataFrame, name: str, resamples: int = 1000,
                          seed: int = 0) -> tuple[float, np.ndarray]:
     """(estimate, seeded bootstrap replicates) of metric ``name`` over the requests of
     ``frame``: exact order-statistic draws for quantiles, vectorised resampling for means,
-    binomial draws for counts. ITL quantiles treat pooled gaps as independent (narrower than
-    a per-request resampling would give)."""
+    binomial draws for counts, and for ITL a cluster bootstrap over requests
+    (``itl_replicates``: the gaps of one request are not independent)."""
     m = METRIC_INFO[metric_name(name)]
     rng = np.random.default_rng(seed)
     if m.column is None:
         return _rate_replicates(frame, m, resamples, rng)
+    if m.column == "itl_ms":
+        return itl_replicates(frame, m.q, resamples, rng)
     values = column_values(frame, m.column)
     if m.q is not None:
         return quantile_replicates(values, m.q, resamples, rng)
@@ -738,6 +900,10 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
         if ci:
             for m in ms:
                 rng = np.random.default_rng(seed)
+                if col == "itl_ms":
+                    out[m.name] = interval(*itl_replicates(frame, m.q, resamples, rng,
+                                                           pooled=v), confidence)
+                    continue
                 reps = (quantile_replicates(v, m.q, resamples, rng) if m.q is not None
                         else mean_replicates(v, resamples, rng))
                 out[m.name] = interval(*reps, confidence)

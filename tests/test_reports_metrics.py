@@ -229,3 +229,135 @@ def test_gap_store_keep_and_gather(rows, data):
     both = M.GapStore.concat([g, g])
     assert both.gather(np.array([len(rows) + i for i in pick], np.int64)).tolist() == \
         pytest.approx(pooled, rel=1e-6, abs=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# ITL: cluster bootstrap over requests
+
+
+def itl_frame(lens: np.ndarray, gaps_ms: np.ndarray):
+    """A minimal frame for the ITL metrics: one row per request, gaps in a GapStore."""
+    import pandas as pd
+
+    offsets = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    f = pd.DataFrame({"itl_row": np.arange(len(lens), dtype=np.int64)})
+    f.attrs["itl"] = M.GapStore(np.asarray(gaps_ms, np.float32), offsets)
+    return f
+
+
+def correlated_itl(n: int, gaps_per_request: int, sd_level: float, sd_within: float,
+                   seed: int):
+    """Each request's gaps are its own level (lognormal, sd ``sd_level`` of the log) times
+    lognormal noise; the population's pooled log-gap is N(0, hypot(sd_level, sd_within))
+    because the number of gaps does not depend on the level."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(gaps_per_request // 2, 3 * gaps_per_request // 2 + 1, n)
+    level = rng.normal(0.0, sd_level, n)
+    gaps = np.exp(np.repeat(level, lens) + rng.normal(0.0, sd_within, int(lens.sum())))
+    return itl_frame(lens, gaps)
+
+
+def true_pooled_quantile(q: float, sd_level: float, sd_within: float) -> float:
+    from statistics import NormalDist
+
+    return math.exp(math.hypot(sd_level, sd_within) * NormalDist().inv_cdf(q))
+
+
+@pytest.mark.parametrize("q,name", [(0.5, "itl_p50"), (0.99, "itl_p99")])
+def test_itl_interval_covers_under_within_request_correlation(q, name):
+    truth = true_pooled_quantile(q, 1.0, 0.2)
+    cluster_hits = naive_hits = 0
+    ratios = []
+    for rep in range(40):
+        f = correlated_itl(1000, 20, 1.0, 0.2, seed=rep)
+        ci = M.bootstrap(f, name, resamples=1000, seed=rep)
+        naive = M.quantile_bootstrap(M.itl_values(f), q, resamples=1000, seed=rep)
+        assert ci.estimate == pytest.approx(naive.estimate)
+        cluster_hits += ci.low <= truth <= ci.high
+        naive_hits += naive.low <= truth <= naive.high
+        ratios.append((ci.high - ci.low) / (naive.high - naive.low))
+    # 20 strongly correlated gaps a request: the pooled-gap interval is ~4x too narrow.
+    assert cluster_hits / 40 >= 0.85, cluster_hits
+    assert naive_hits / 40 <= 0.6, naive_hits
+    assert np.median(ratios) > 2.5, np.median(ratios)
+
+
+def test_itl_interval_on_independent_gaps_matches_the_pooled_one():
+    truth = true_pooled_quantile(0.9, 0.0, 1.0)
+    ratios, hits = [], 0
+    for rep in range(12):
+        f = correlated_itl(800, 20, 0.0, 1.0, seed=1000 + rep)
+        ci = M.bootstrap(f, "itl_p90", resamples=1000, seed=rep)
+        naive = M.quantile_bootstrap(M.itl_values(f), 0.9, resamples=1000, seed=rep)
+        ratios.append((ci.high - ci.low) / (naive.high - naive.low))
+        hits += ci.low <= truth <= ci.high
+    assert 0.8 < np.median(ratios) < 1.25, ratios
+    assert hits >= 10
+
+
+@pytest.mark.parametrize("name", ["itl_p90", "itl_mean"])
+def test_itl_replicates_match_explicit_request_resampling(name):
+    """Same distribution as drawing requests with replacement and pooling their gaps."""
+    f = correlated_itl(150, 12, 0.8, 0.3, seed=7)
+    store, n = f.attrs["itl"], len(f)
+    rng = np.random.default_rng(8)
+    q = M.METRIC_INFO[name].q
+    slow = []
+    for _ in range(3000):
+        pooled = store.gather(np.sort(rng.integers(0, n, n)))
+        slow.append(np.quantile(pooled, q) if q is not None else pooled.mean(dtype=np.float64))
+    lo, hi = np.quantile(slow, [0.025, 0.975])
+    fast = M.bootstrap(f, name, resamples=3000, seed=9)
+    assert abs(fast.low - lo) < 0.12 * (hi - lo)
+    assert abs(fast.high - hi) < 0.12 * (hi - lo)
+
+
+def test_itl_subsampled_requests_keep_the_interval_width():
+    """Above max_requests: m-out-of-n with sqrt(m/n) rescaling, close to the full bootstrap."""
+    ratios = []
+    for rep in range(10):
+        f = correlated_itl(4000, 10, 1.0, 0.3, seed=2000 + rep)
+        full = M.interval(*M.itl_replicates(f, 0.5, 1000, np.random.default_rng(rep)))
+        est, reps = M.itl_replicates(f, 0.5, 1000, np.random.default_rng(rep),
+                                     max_requests=800)
+        sub = M.interval(est, reps)
+        assert est == full.estimate == pytest.approx(M.statistic(f, "itl_p50"))
+        assert sub.low <= est <= sub.high
+        ratios.append((sub.high - sub.low) / (full.high - full.low))
+    assert 0.75 < np.median(ratios) < 1.33, ratios
+
+
+def test_itl_bootstrap_skips_requests_without_gaps_and_handles_none():
+    f = itl_frame(np.array([0, 3, 0, 2]), np.array([1.0, 2.0, 3.0, 10.0, 20.0]))
+    est, reps = M.bootstrap_replicates(f, "itl_p50", 500, seed=1)
+    assert est == pytest.approx(3.0)
+    # two requests with gaps, (1, 2, 3) and (10, 20): a replicate draws both (median 3), or
+    # one of them twice (1, 1, 2, 2, 3, 3 -> 2; 10, 10, 20, 20 -> 15); gap-less rows never
+    # enter the draw
+    assert set(np.unique(reps).tolist()) == {2.0, 3.0, 15.0}
+    empty = itl_frame(np.array([0, 0]), np.zeros(0))
+    est, reps = M.bootstrap_replicates(empty, "itl_p99", 50, seed=1)
+    assert math.isnan(est) and np.isnan(reps).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), max_size=6), min_size=1, max_size=10),
+       st.sampled_from([0.0, 0.3, 0.5, 0.9, 0.99, 1.0]), st.sampled_from([1, 3, None]),
+       st.integers(0, 2**16))
+def test_weighted_pool_quantiles_are_the_quantiles_of_the_repeated_pool(per_request, q, half,
+                                                                        seed):
+    lens = np.array([len(x) for x in per_request])
+    if lens.sum() == 0:
+        return
+    vals = np.array([g for x in per_request for g in x], np.float32)
+    req = np.repeat(np.arange(len(lens)), lens)
+    w = np.random.default_rng(seed).integers(0, 4, (6, len(lens))).astype(np.float64)
+    sg = M._SortedGaps(vals, req, len(lens))
+    got = M.weighted_pool_quantiles(sg, lens.astype(np.float64), w, q, half)
+    for b in range(len(w)):
+        pool = np.repeat(vals, w[b][req].astype(np.int64))
+        if len(pool) == 0:
+            assert math.isnan(got[b])
+        else:
+            assert got[b] == pytest.approx(np.quantile(pool.astype(np.float64), q), abs=1e-9)
