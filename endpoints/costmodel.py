@@ -8,7 +8,6 @@ their formulas, the calibration constant that reconciles them is documented here
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import numpy as np
 
@@ -405,7 +404,3 @@ def hogwild_speedup(n_workers: int, coordination_weight: float, *, step_budget: 
     if not many["completed"]:
         return one["time_steps"] / step_budget * many["progress"]
     return one["time_steps"] / many["time_steps"]
-
-
-def sweep(values: Iterable[float], fn) -> list:
-    return [fn(v) for v in values]

@@ -14,8 +14,6 @@ import argparse
 import importlib
 import itertools
 import logging
-import os
-import socket
 import time
 import urllib.request
 from dataclasses import replace
@@ -30,6 +28,7 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
 from kvbench.errors import UserError
+from kvbench.store import worker_name
 from loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from loadgen.openai import request_body, request_path
 from loadgen.pacing import PACINGS, OpenLoopDispatcher, StagePlan, cycle_requests, shard
@@ -151,7 +150,7 @@ class LoadContext:
         o = environment.parsed_options
         self.environment = environment
         self.opts = o
-        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker = worker_name()
         self.cfg = None
         self.cfg_effective = None
         if o.kvbench_config:

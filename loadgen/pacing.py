@@ -10,7 +10,6 @@ the new rate (memoryless for Poisson).
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator
@@ -174,14 +173,3 @@ class OpenLoopDispatcher:
         while self.in_flight > 0 and time.monotonic() < end:
             gevent.sleep(0.01)
         return self.in_flight == 0
-
-
-def summarize_gaps(t_sched_ns: list[int]) -> dict:
-    """Achieved rate and inter-arrival CV of a list of start times (for the bench)."""
-    if len(t_sched_ns) < 3:
-        return {"rate_rps": math.nan, "cv": math.nan}
-    t = np.sort(np.asarray(t_sched_ns, dtype=np.int64))
-    g = np.diff(t) / 1e9
-    span = (t[-1] - t[0]) / 1e9
-    return {"rate_rps": (len(t) - 1) / span if span > 0 else math.nan,
-            "cv": float(g.std() / g.mean()) if g.mean() > 0 else math.nan}

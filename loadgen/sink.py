@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from kvbench.schema import REQUESTS
+from kvbench.store import worker_name
 
 COLUMNS = tuple(REQUESTS.names)
 _INDEX = {name: i for i, name in enumerate(COLUMNS)}
@@ -136,7 +137,7 @@ class RecordSink:
         counts = self.meta["counts"]
         counts["requests_started"] = self.started
         counts["records_written"] = self.written
-        meta = {**self.meta, "worker": f"{socket.gethostname()}:{os.getpid()}",
+        meta = {**self.meta, "worker": worker_name(),
                 "host": socket.gethostname(), "closed_ns": time.time_ns()}
         tmp = self.meta_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta, indent=1, default=str))

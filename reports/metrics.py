@@ -867,12 +867,6 @@ def quantile_bootstrap(values: np.ndarray, q: float, resamples: int = 1000,
                     confidence)
 
 
-def mean_bootstrap(values: np.ndarray, resamples: int = 1000, confidence: float = 0.95,
-                   seed: int = 0, max_rows: int = 20_000) -> CI:
-    return interval(*mean_replicates(values, resamples, np.random.default_rng(seed), max_rows),
-                    confidence)
-
-
 def column_values(frame: pd.DataFrame, column: str) -> np.ndarray:
     """The per-request (or, for ``itl_ms``, pooled per-gap) values a metric is taken over."""
     return itl_values(frame) if column == "itl_ms" else frame[column].to_numpy()
@@ -916,6 +910,7 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
             if m.q is None:
                 out[m.name] = float(v.mean(dtype=np.float64)) if len(v) else math.nan
     return {n: out[n] for n in names}
+
 
 # --------------------------------------------------------------------------------------------
 # group-bys

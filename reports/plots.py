@@ -4,7 +4,6 @@ points at scale), returned as plotly JSON-ready dicts."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -285,7 +284,3 @@ def all_figures(d: ReportData, stage_table: pd.DataFrame,
     figs.append(gpu_timelines(d))
     figs.append(errors_over_time(d))
     return [x for x in figs if x is not None]
-
-
-def figure_keys(figs: Sequence[Figure]) -> list[str]:
-    return [f["key"] for f in figs]
