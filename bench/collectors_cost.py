@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from collectors.nvml import NvmlSampler  # noqa: E402
-from collectors.prometheus import PrometheusScraper, parse_metrics  # noqa: E402
-from collectors.sink import ShardSink  # noqa: E402
+from kvbench.collectors.nvml import NvmlSampler  # noqa: E402
+from kvbench.collectors.prometheus import PrometheusScraper, parse_metrics  # noqa: E402
+from kvbench.collectors.sink import ShardSink  # noqa: E402
 from fake_nvml import FakeGpu, FakeNvml  # noqa: E402
 
 
@@ -60,8 +60,8 @@ def main() -> int:
     args = ap.parse_args()
     # pyarrow imports pandas on its first pa.array call (about 0.2 s, once per process; a
     # kvbench run has paid it before collectors start): pay it here, outside the measurement
-    from collectors.sink import Columns
-    from kvbench.schema import GPU
+    from kvbench.collectors.sink import Columns
+    from kvbench.core.schema import GPU
 
     c = Columns(GPU)
     c.append({"t_ns": 0})

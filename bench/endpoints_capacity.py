@@ -118,7 +118,7 @@ def main() -> int:
         return 0
     cores = sorted(os.sched_getaffinity(0))
     srv_core, cli_core = cores[0], cores[-1]
-    from endpoints import costmodel as cm
+    from kvbench.model import costmodel as cm
 
     print(f"emulator on core {srv_core}, client on core {cli_core}; {args.seconds:.0f} s per "
           f"level; decode steps slowed to about {args.step_ms:.0f} ms")

@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the test servers and fakes
 
 from kvbench.config import GateConfig, GateRule, load_config  # noqa: E402
-from kvbench.store import load_results  # noqa: E402
-from reports import gate  # noqa: E402
+from kvbench.core.store import load_results  # noqa: E402
+from kvbench.reports import gate  # noqa: E402
 
 CONFIG = """
 [suite]

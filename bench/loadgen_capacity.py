@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the test servers and fakes
 
 
 def pin(cpu: int) -> None:
@@ -57,7 +57,7 @@ def client_main(a) -> None:
     counter = [0]
 
     if a.client == "ours":
-        from loadgen.client import ConnectionPool, StreamingClient, Target
+        from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
 
         pool = ConnectionPool(Target.parse(a.url))
         pool.warm(a.streams)
@@ -115,8 +115,8 @@ def open_loop_main(a) -> None:
     import numpy as np
     import orjson
 
-    from loadgen.client import ConnectionPool, StreamingClient, Target
-    from loadgen.pacing import OpenLoopDispatcher, StagePlan
+    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan
 
     pin(0)
     body = orjson.dumps({"model": "test-model", "prompt": "x", "max_tokens": 4, "stream": True})
@@ -225,7 +225,7 @@ def main() -> None:
     if a.role == "open":
         return open_loop_main(a)
 
-    from loadgen import testing
+    import stream_server as testing
 
     proc, url = testing.start(ttft_ms=20, itl_ms=a.itl_ms)
     try:

@@ -15,12 +15,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import pyarrow as pa  # noqa: E402
 
-from collectors.nvml import NvmlSampler, init_reason, load_nvml  # noqa: E402
-from kvbench.schema import GPU  # noqa: E402
+from kvbench.collectors.nvml import NvmlSampler, init_reason, load_nvml  # noqa: E402
+from kvbench.core.schema import GPU  # noqa: E402
 
 FIELDS = [f.name for f in GPU if f.name not in ("t_ns", "host", "gpu", "role", "source",
                                                 "endpoint")]

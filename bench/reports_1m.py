@@ -14,8 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from reports.synthetic import (EndpointShape, RunShape, engine_table, gpu_table, run_meta,
-                               synth_table, write_run)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synthetic results
+from synthetic import (EndpointShape, RunShape, engine_table, gpu_table, run_meta,  # noqa: E402
+                       synth_table, write_run)
 
 
 def synthesise(run_dir: Path, rows: int) -> None:

@@ -10,8 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
-from workloads.registry import build_spec
-from workloads.specs import (
+from kvbench.workloads.registry import build_spec
+from kvbench.workloads.specs import (
     AgentSpec,
     ChatSpec,
     HogwildSpec,
@@ -19,8 +19,8 @@ from workloads.specs import (
     RagSpec,
     TraceSpec,
 )
-from workloads.tokenizer import get_tokenizer
-from workloads.traces import traces_dir
+from kvbench.workloads.tokenizer import get_tokenizer
+from kvbench.workloads.traces import traces_dir
 
 SPECS = {  # the specs' defaults, with enough requests to time
     "chat": ChatSpec(requests=200_000),

@@ -36,10 +36,10 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from collectors.nvml import NvmlSampler
-from collectors.roles import role_for
-from kvbench.errors import UserError
-from kvbench.schema import GPU
+from kvbench.collectors.nvml import NvmlSampler
+from kvbench.collectors.roles import role_for
+from kvbench.core.errors import UserError
+from kvbench.core.schema import GPU
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 DEFAULT_TOKEN_ENV = "KVBENCH_AGENT_TOKEN"

@@ -18,9 +18,9 @@ from typing import Callable
 
 import pyarrow as pa
 
-from collectors.roles import role_for
-from collectors.sink import Columns
-from kvbench.schema import GPU
+from kvbench.collectors.roles import role_for
+from kvbench.collectors.sink import Columns
+from kvbench.core.schema import GPU
 
 UINT_MAX = 0xFFFFFFFF  # NVML field scopeId meaning "sum over all NVLink links"
 KIB = 1024

@@ -17,9 +17,9 @@ from typing import Callable
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors.roles import role_for
-from collectors.sink import Columns
-from kvbench.schema import ENGINE, GPU
+from kvbench.collectors.roles import role_for
+from kvbench.collectors.sink import Columns
+from kvbench.core.schema import ENGINE, GPU
 
 MIB = 1024 * 1024
 

@@ -10,11 +10,11 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from collectors.agent import AgentPuller, token_from_env
-from collectors.nvml import NvmlSampler
-from collectors.prometheus import PrometheusScraper
-from collectors.sink import ShardSink
-from kvbench import store
+from kvbench.collectors.agent import AgentPuller, token_from_env
+from kvbench.collectors.nvml import NvmlSampler
+from kvbench.collectors.prometheus import PrometheusScraper
+from kvbench.collectors.sink import ShardSink
+from kvbench.core import store
 
 
 def metrics_url_for(endpoint: dict) -> str | None:

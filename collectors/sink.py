@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from kvbench.schema import TABLES
+from kvbench.core.schema import TABLES
 
 
 class Columns:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from endpoints.config import Resolved
-from endpoints.engine import Engine, Seq
-from endpoints.router import Router
+from kvbench.endpoints.config import Resolved
+from kvbench.endpoints.engine import Engine, Seq
+from kvbench.endpoints.router import Router
 
 
 class Cluster:

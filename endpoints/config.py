@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from endpoints import costmodel as cm
-from endpoints import profiles as pf
+from kvbench.model import costmodel as cm
+from kvbench.model import profiles as pf
 
 TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed")
 FAULT_KINDS = ("error", "rate_limit", "stall_before", "stall_mid", "reset", "malformed",

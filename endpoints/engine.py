@@ -16,8 +16,8 @@ import bisect
 from collections import deque
 from typing import Callable
 
-from endpoints.config import Resolved, ceil_div
-from endpoints.kvcache import HBMCache, Tier
+from kvbench.endpoints.config import Resolved, ceil_div
+from kvbench.endpoints.kvcache import HBMCache, Tier
 
 # Bucket edges (seconds) as in vLLM's histograms of the same names.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

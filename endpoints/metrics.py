@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from endpoints.cluster import Cluster
-from endpoints.engine import Engine, Histogram
+from kvbench.endpoints.cluster import Cluster
+from kvbench.endpoints.engine import Engine, Histogram
 
 MIB = 1024 * 1024
 
@@ -148,7 +148,7 @@ def render(cluster: Cluster) -> str:
     # DCGM-exporter names, one simulated GPU per engine.
     now = asyncio.get_running_loop().time()
     hw_total = res.hbm_bytes
-    from endpoints.profiles import HARDWARE
+    from kvbench.model.profiles import HARDWARE
     hwp = HARDWARE[cfg.hardware]
     rows = []
     for e in engines:

@@ -4,7 +4,7 @@ across regions, paying the cross-region round trip). A residency constraint alwa
 
 from __future__ import annotations
 
-from endpoints.engine import Engine, Seq
+from kvbench.endpoints.engine import Engine, Seq
 
 
 class RoutingError(Exception):

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
-from endpoints.cluster import Cluster
-from endpoints.config import EmulatorConfig
-from endpoints.engine import Seq
-from endpoints.kvcache import block_hashes
-from endpoints.metrics import render
-from endpoints.router import RoutingError
-from workloads.tokenizer import get_tokenizer
+from kvbench.endpoints.cluster import Cluster
+from kvbench.endpoints.config import EmulatorConfig
+from kvbench.endpoints.engine import Seq
+from kvbench.endpoints.kvcache import block_hashes
+from kvbench.endpoints.metrics import render
+from kvbench.endpoints.router import RoutingError
+from kvbench.workloads.tokenizer import get_tokenizer
 
 JSON = "application/json"
 CLUSTER_KEY = web.AppKey("cluster", Cluster)

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 COMMANDS = {
     "run": "run the bench.toml matrix headless through Locust and write results",

@@ -11,8 +11,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from kvbench.errors import UserError
-from workloads.specs import (
+from kvbench.core.errors import UserError
+from kvbench.workloads.specs import (
     MixSpec,
     Strict,
     WorkloadSpec,
@@ -281,7 +281,7 @@ def _cross_checks(cfg: BenchConfig, path: Path) -> None:
 
 def _validate_builtin_options(cfg: BenchConfig, path: Path) -> None:
     try:
-        from endpoints.config import validate_options
+        from kvbench.endpoints.config import validate_options
     except ImportError:  # the emulator's settings are checked when it starts
         return
     for i, ep in enumerate(cfg.endpoints):

@@ -19,8 +19,8 @@ import gevent
 from gevent import socket as gsocket
 from gevent.hub import get_hub
 
-from loadgen.openai import StreamState, error_message
-from loadgen.sse import SSEParser
+from kvbench.loadgen.openai import StreamState, error_message
+from kvbench.loadgen.sse import SSEParser
 
 _mono = time.perf_counter_ns
 _epoch = time.time_ns

@@ -27,13 +27,13 @@ from locust import User, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 
-from kvbench.errors import UserError
-from kvbench.store import worker_name
-from loadgen.client import ConnectionPool, Result, StreamingClient, Target
-from loadgen.openai import request_body, request_path
-from loadgen.pacing import PACINGS, OpenLoopDispatcher, StagePlan, cycle_requests, shard
-from loadgen.sink import COLUMNS, RecordSink, merge_proc_meta, read_proc_meta
-from workloads.tokenizer import get_tokenizer
+from kvbench.core.errors import UserError
+from kvbench.core.store import worker_name
+from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
+from kvbench.loadgen.openai import request_body, request_path
+from kvbench.loadgen.pacing import PACINGS, OpenLoopDispatcher, StagePlan, cycle_requests, shard
+from kvbench.loadgen.sink import COLUMNS, RecordSink, merge_proc_meta, read_proc_meta
+from kvbench.workloads.tokenizer import get_tokenizer
 
 log = logging.getLogger("kvbench.loadgen")
 
@@ -186,7 +186,7 @@ class LoadContext:
         self.warm = (profile.warmup_connections if profile else True) and \
             not o.kvbench_cold_connections
         self.model = o.kvbench_model or getattr(ep, "model", None) or self._first_model()
-        from loadgen.openai import auth_headers
+        from kvbench.loadgen.openai import auth_headers
 
         self.headers = auth_headers(getattr(ep, "headers", None),
                                     o.kvbench_api_key_env or getattr(ep, "api_key_env", None),
@@ -233,7 +233,7 @@ class LoadContext:
             raise UserError(f"--kvbench-workload {name}: not a [workloads.*] table of "
                             f"{self.opts.kvbench_config or 'the config'}; use one of "
                             f"{sorted(cfg.workloads)}")
-        from workloads.registry import make_workload
+        from kvbench.workloads.registry import make_workload
 
         return make_workload(name, cfg)
 
@@ -436,7 +436,7 @@ class _Renamed:
 
 
 def _new_run_id(cfg) -> str:
-    from kvbench.store import new_run_id
+    from kvbench.core.store import new_run_id
 
     return new_run_id(cfg.suite.name if cfg else "locust")
 
@@ -580,7 +580,7 @@ class _State:
 
 def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float) -> None:
     """Wait for every process's sidecar, compact the shards, write run.json."""
-    from kvbench import store
+    from kvbench.core import store
 
     deadline = time.monotonic() + wait_s
     while len(list(run_dir.glob("proc-*.json"))) < expected_procs and time.monotonic() < deadline:
@@ -619,14 +619,14 @@ def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float
     built = {}
     for name in sorted(names):
         try:
-            from workloads.describe import describe
+            from kvbench.workloads.describe import describe
 
             if ctx is not None and ctx.workload_name == name:
                 wl = ctx.workload
             elif ":" in name or cfg is None or name not in cfg.workloads:
                 continue
             else:
-                from workloads.registry import make_workload
+                from kvbench.workloads.registry import make_workload
 
                 wl = make_workload(name, cfg)
             built[name] = wl

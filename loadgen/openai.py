@@ -227,7 +227,7 @@ class StreamState:
 
     def _tokenizer(self):
         if self.tokenizer is None:
-            from workloads.tokenizer import get_tokenizer
+            from kvbench.workloads.tokenizer import get_tokenizer
 
             self.tokenizer = get_tokenizer()
         return self.tokenizer
@@ -250,7 +250,7 @@ def auth_headers(headers: dict | None, key_env: str | None, who: str) -> dict:
 
         key = os.environ.get(key_env)
         if not key:
-            from kvbench.errors import UserError
+            from kvbench.core.errors import UserError
 
             raise UserError(f"{who}: environment variable {key_env} (its API key) is not set; "
                             "export it before starting the load")

@@ -21,8 +21,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from kvbench.schema import REQUESTS
-from kvbench.store import worker_name
+from kvbench.core.schema import REQUESTS
+from kvbench.core.store import worker_name
 
 COLUMNS = tuple(REQUESTS.names)
 _INDEX = {name: i for i, name in enumerate(COLUMNS)}

@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvbench.errors import DataError
-from kvbench.schema import TABLES
-from kvbench.store import read_meta, read_shards, read_table
-from reports.metrics import FRAME_COLUMNS, GapStore, request_frame
+from kvbench.core.errors import DataError
+from kvbench.core.schema import TABLES
+from kvbench.core.store import read_meta, read_shards, read_table
+from kvbench.reports.metrics import FRAME_COLUMNS, GapStore, request_frame
 
 BATCH_ROWS = 65_536  # requests per streamed batch when deriving ITL gaps
 

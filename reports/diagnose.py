@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from reports import metrics as M
-from reports.data import ReportData
+from kvbench.reports import metrics as M
+from kvbench.reports.data import ReportData
 
 # Lost prefix hits. Against the theoretical ratio of exactly the requests sent (per endpoint),
 # an engine that reuses every prefix it holds realises nearly all of it (the built-in colocated

@@ -27,8 +27,8 @@ from xml.sax.saxutils import escape, quoteattr
 import numpy as np
 import pandas as pd
 
-from kvbench.errors import DataError, UserError
-from reports import metrics as M
+from kvbench.core.errors import DataError, UserError
+from kvbench.reports import metrics as M
 
 VERDICT_ORDER = {"pass": 0, "inconclusive": 1, "fail": 2}
 

@@ -512,7 +512,7 @@ def metric_name(name: str) -> str:
     if key.startswith("e2el_"):
         key = "e2e_" + key[len("e2el_"):]
     if key not in METRIC_INFO:
-        from kvbench.errors import UserError
+        from kvbench.core.errors import UserError
 
         raise UserError(f"unknown metric {name!r}; use one of {', '.join(sorted(METRIC_INFO))}")
     return key

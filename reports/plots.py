@@ -11,8 +11,8 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports import metrics as M
-from reports.data import ReportData
+from kvbench.reports import metrics as M
+from kvbench.reports.data import ReportData
 
 TIME_BINS = 60
 SCATTER_POINTS = 1500  # per topology, seeded sample
@@ -271,7 +271,7 @@ def errors_over_time(d: ReportData) -> Figure | None:
 def all_figures(d: ReportData, stage_table: pd.DataFrame,
                 itl_cache: dict[str, np.ndarray]) -> list[Figure]:
     try:
-        import endpoints.costmodel as costmodel  # written by the endpoints part; optional here
+        import kvbench.model.costmodel as costmodel  # written by the endpoints part; optional here
 
         err = ""
     except Exception as exc:  # ImportError, or a half-written module

@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from reports import metrics as M
-from reports.data import ReportData
-from reports.diagnose import Finding, diagnose
+from kvbench.reports import metrics as M
+from kvbench.reports.data import ReportData
+from kvbench.reports.diagnose import Finding, diagnose
 
 SUMMARY_METRICS = ("throughput_rps", "goodput_rps", "slo_attainment", "output_tps", "input_tps",
                    "ttft_p50", "ttft_p90", "ttft_p99", "ttft_p999", "ttft_mean", "tpot_p50",
@@ -167,7 +167,7 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
                            for ep in eps if not math.isnan(costs[ep])),
                           key=lambda r: r["value"]),
     }
-    from reports.plots import all_figures
+    from kvbench.reports.plots import all_figures
 
     figures = all_figures(d, stage_table, itl_cache)
     findings = diagnose(d)
@@ -333,7 +333,7 @@ def render_md(ctx: dict) -> str:
 
 def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
            title: str | None = None) -> str:
-    from reports.data import load
+    from kvbench.reports.data import load
 
     d = load(paths, slo=slo)
     ctx = build_context(d, title)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvbench.errors import UserError
-from loadgen.openai import auth_headers
+from kvbench.core.errors import UserError
+from kvbench.loadgen.openai import auth_headers
 
 
 def test_key_from_environment(monkeypatch):

@@ -12,10 +12,10 @@ import urllib.request
 import pyarrow as pa
 import pytest
 
-from collectors.agent import AgentPuller, AgentServer, is_loopback
+from kvbench.collectors.agent import AgentPuller, AgentServer, is_loopback
 from kvbench.config import GpuRole
-from kvbench.errors import UserError
-from kvbench.schema import GPU
+from kvbench.core.errors import UserError
+from kvbench.core.schema import GPU
 from fake_nvml import FakeGpu, FakeNvml
 
 SKEW_NS = 5_000_000_000  # the agent's clock runs 5 s ahead

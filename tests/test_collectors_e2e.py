@@ -13,8 +13,8 @@ import urllib.request
 
 import pynvml
 
-from collectors.session import start_collectors
-from kvbench import store
+from kvbench.collectors.session import start_collectors
+from kvbench.core import store
 from kvbench.config import CollectConfig
 from fake_nvml import FakeNvml
 

@@ -8,10 +8,10 @@ import time
 import pyarrow as pa
 import pynvml
 
-import collectors.nvml as cnvml
-from collectors.nvml import NvmlSampler
+import kvbench.collectors.nvml as cnvml
+from kvbench.collectors.nvml import NvmlSampler
 from kvbench.config import GpuRole
-from kvbench.schema import GPU
+from kvbench.core.schema import GPU
 from fake_nvml import FakeGpu, FakeNvml
 
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from collectors.prometheus import PrometheusScraper, parse_metrics
+from kvbench.collectors.prometheus import PrometheusScraper, parse_metrics
 from kvbench.config import GpuRole
-from kvbench.schema import ENGINE, GPU
+from kvbench.core.schema import ENGINE, GPU
 from metrics_server import MetricsServer, exposition
 
 names = st.from_regex(r"[a-z][a-z0-9_]{0,12}(:[a-z][a-z0-9_]{0,12})?", fullmatch=True)

@@ -8,9 +8,9 @@ import time
 
 import pynvml
 
-from collectors.agent import AgentServer
-from collectors.session import metrics_url_for, start_collectors
-from kvbench import store
+from kvbench.collectors.agent import AgentServer
+from kvbench.collectors.session import metrics_url_for, start_collectors
+from kvbench.core import store
 from kvbench.config import CollectConfig
 from fake_nvml import FakeGpu, FakeNvml
 from metrics_server import MetricsServer

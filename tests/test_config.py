@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.config import load_config
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 

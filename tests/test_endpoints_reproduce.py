@@ -8,13 +8,13 @@ import asyncio
 import aiohttp
 import numpy as np
 
-from endpoints import costmodel as cm
-from endpoints import profiles as pf
-from endpoints.config import validate_options
-from endpoints.server import EmulatorServer
-from endpoints.testing import request
-from workloads.text import TextFactory
-from workloads.tokenizer import get_tokenizer
+from kvbench.model import costmodel as cm
+from kvbench.model import profiles as pf
+from kvbench.endpoints.config import validate_options
+from kvbench.endpoints.server import EmulatorServer
+from emulator_client import request
+from kvbench.workloads.text import TextFactory
+from kvbench.workloads.tokenizer import get_tokenizer
 
 TOK = get_tokenizer()
 TEXT = TextFactory(TOK, seed=7)

@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from endpoints import costmodel as cm
-from endpoints.config import validate_options
-from endpoints.kvcache import HBMCache, block_hashes
-from endpoints.server import EmulatorServer, parse_fault_header
-from endpoints.testing import request
-from workloads.text import TextFactory
-from workloads.tokenizer import get_tokenizer
+from kvbench.model import costmodel as cm
+from kvbench.endpoints.config import validate_options
+from kvbench.endpoints.kvcache import HBMCache, block_hashes
+from kvbench.endpoints.server import EmulatorServer, parse_fault_header
+from emulator_client import request
+from kvbench.workloads.text import TextFactory
+from kvbench.workloads.tokenizer import get_tokenizer
 
 TOK = get_tokenizer()
 TEXT = TextFactory(TOK, seed=11)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.config import GateConfig, GateRule
-from kvbench.store import load_results
-from reports import gate
-from reports.synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
+from kvbench.core.store import load_results
+from kvbench.reports import gate
+from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
 RULES = GateConfig(rules=[
     GateRule(metric="ttft_p50", max_increase_pct=10),

@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 import pytest
 
 from kvbench.config import GateConfig, GateRule
-from kvbench.store import load_results
-from reports import gate
-from reports.synthetic import RunShape, run_meta, synth_table, write_run
+from kvbench.core.store import load_results
+from kvbench.reports import gate
+from synthetic import RunShape, run_meta, synth_table, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

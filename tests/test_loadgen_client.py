@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadgen.client import ChunkedDecoder
+from kvbench.loadgen.client import ChunkedDecoder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,8 +18,8 @@ SCRIPT = textwrap.dedent("""
     from gevent import monkey; monkey.patch_all()
     import sys, orjson, urllib.request
     import gevent
-    from loadgen import testing
-    from loadgen.client import ConnectionPool, StreamingClient, Target
+    import stream_server as testing
+    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
     proc, url = testing.start(ttft_ms=40, itl_ms=10)
     out = {}
     try:

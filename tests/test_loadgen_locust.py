@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.store import load_results
-from loadgen import testing
+from kvbench.core.store import load_results
+import stream_server as testing
 
 ROOT = Path(__file__).resolve().parent.parent
 

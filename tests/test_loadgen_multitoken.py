@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from loadgen import testing
-from loadgen.openai import StreamState, apportion
-from reports.metrics import request_frame
-from workloads.tokenizer import get_tokenizer
+import stream_server as testing
+from kvbench.loadgen.openai import StreamState, apportion
+from kvbench.reports.metrics import request_frame
+from kvbench.workloads.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = get_tokenizer().single_token_words()[:50]
@@ -124,7 +124,7 @@ def test_explicit_tokenizer_is_used():
 SCRIPT = textwrap.dedent("""
     from gevent import monkey; monkey.patch_all()
     import sys, orjson
-    from loadgen.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
     url = sys.argv[1]
     c = StreamingClient(ConnectionPool(Target.parse(url)), deadline_s=10)
     out = {}

@@ -12,9 +12,9 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench import store
-from loadgen.pacing import OpenLoopDispatcher, StagePlan, gaps_s, shard
-from loadgen.sink import COLUMNS, RecordSink, merge_proc_meta, read_proc_meta
+from kvbench.core import store
+from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, gaps_s, shard
+from kvbench.loadgen.sink import COLUMNS, RecordSink, merge_proc_meta, read_proc_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def test_sink_roundtrip_and_sidecar(tmp_path):
 
 KILL = textwrap.dedent("""
     import sys, time, gevent
-    from loadgen.sink import RecordSink, COLUMNS
+    from kvbench.loadgen.sink import RecordSink, COLUMNS
     sink = RecordSink(sys.argv[1], flush_interval_s=0.2)
     sink.start()
     i = 0

@@ -2,8 +2,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadgen.openai import StreamState, error_message, request_body
-from loadgen.sse import SSEParser
+from kvbench.loadgen.openai import StreamState, error_message, request_body
+from kvbench.loadgen.sse import SSEParser
 
 
 def parse_all(chunks):

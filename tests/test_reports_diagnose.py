@@ -6,10 +6,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from reports import diagnose as D
-from reports.data import load
-from reports.synthetic import (T0_NS, EndpointShape, RunShape, engine_table, run_meta,
-                               synth_table, write_run)
+from kvbench.reports import diagnose as D
+from kvbench.reports.data import load
+from synthetic import (T0_NS, EndpointShape, RunShape, engine_table, run_meta,
+                       synth_table, write_run)
 
 
 def make(tmp_path, shape: RunShape, *, workloads=None, config=None, engine=None, mutate=None,
@@ -53,7 +53,7 @@ def sent(theo, *, lru=None, per_replica=None, requests=200, elsewhere=None, repl
 
 
 def measured_of(d, ep):
-    from reports import metrics as M
+    from kvbench.reports import metrics as M
     return M.hit_ratio(d.frame[d.frame["endpoint"] == ep])
 
 
@@ -160,7 +160,7 @@ def test_prefix_hits_lost_from_engine_counters(tmp_path):
 
 def test_prefix_hits_lost_per_run_when_endpoint_names_repeat(tmp_path):
     """Two runs of an endpoint named alike: each label compares with its own run's summary."""
-    from reports.data import load
+    from kvbench.reports.data import load
     shape = RunShape(endpoints=[EndpointShape("ep", "routed", hit_fraction=0.5)])
     m = measured_of(make(tmp_path, shape, name="probe"), "ep")
     for run_id, theo in (("good", m / 0.95), ("bad", 2 * m)):

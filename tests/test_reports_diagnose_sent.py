@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from workloads.base import Request
-from workloads.describe import base_request_id, describe, describe_sent, sent_descriptions
-from workloads.tokenizer import get_tokenizer
+from kvbench.workloads.base import Request
+from kvbench.workloads.describe import base_request_id, describe, describe_sent, sent_descriptions
+from kvbench.workloads.tokenizer import get_tokenizer
 
 A = [f"a{i}" for i in range(8)]
 B = [f"b{i}" for i in range(4)]

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.schema import REQUESTS
-from reports import metrics as M
-from reports.synthetic import EndpointShape, RunShape, engine_table, synth_table
+from kvbench.core.schema import REQUESTS
+from kvbench.reports import metrics as M
+from synthetic import EndpointShape, RunShape, engine_table, synth_table
 
 MS = 1_000_000
 
@@ -98,7 +98,7 @@ def test_group_bys_and_buckets(hand):
 
 
 def test_unknown_metric_is_a_user_error(hand):
-    from kvbench.errors import UserError
+    from kvbench.core.errors import UserError
 
     with pytest.raises(UserError, match="unknown metric 'ttft_p42'"):
         M.statistic(hand, "ttft_p42")

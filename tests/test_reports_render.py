@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.cli import main
-from reports.synthetic import (T0_NS, EndpointShape, RunShape, engine_table, gpu_table,
-                               run_meta, synth_table, write_run)
+from synthetic import (T0_NS, EndpointShape, RunShape, engine_table, gpu_table,
+                       run_meta, synth_table, write_run)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"

@@ -2,8 +2,8 @@
 
 from hypothesis import given, settings, strategies as st
 
-from workloads.text import TextFactory
-from workloads.tokenizer import BuiltinTokenizer, get_tokenizer
+from kvbench.workloads.text import TextFactory
+from kvbench.workloads.tokenizer import BuiltinTokenizer, get_tokenizer
 
 
 def test_builtin_rules():

@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.cli import main
-from workloads.base import Request
-from workloads.describe import PrefixCacheSim, block_keys, describe
+from kvbench.workloads.base import Request
+from kvbench.workloads.describe import PrefixCacheSim, block_keys, describe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def req(i: int, prompt: str, max_tokens: int = 4, cls: str = "chat") -> Request:
-    from workloads.tokenizer import get_tokenizer
+    from kvbench.workloads.tokenizer import get_tokenizer
     return Request(request_id=f"r{i}", request_class=cls, max_tokens=max_tokens,
                    prompt_tokens=get_tokenizer().count(prompt), shared_prefix_tokens=0,
                    session_id=f"r{i}", prompt=prompt)
@@ -90,7 +90,7 @@ def test_unbounded_hits_equal_longest_seen_block_prefix(seqs, bt):
 
 def test_describe_generated_workload_matches_declared_structure():
     from kvbench.config import load_config
-    from workloads.registry import make_workload
+    from kvbench.workloads.registry import make_workload
 
     cfg = load_config(ROOT / "bench.toml")
     d = describe(make_workload("rag", cfg))

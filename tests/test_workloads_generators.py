@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.config import load_config, parse_config
-from workloads.common import flatten, sample
-from workloads.prompt import Assembler, Piece, concat_count
-from workloads.registry import build_spec, make_workload
-from workloads.specs import (
+from kvbench.workloads.common import flatten, sample
+from kvbench.workloads.prompt import Assembler, Piece, concat_count
+from kvbench.workloads.registry import build_spec, make_workload
+from kvbench.workloads.specs import (
     AgentSpec,
     ChatSpec,
     HogwildSpec,
@@ -22,7 +22,7 @@ from workloads.specs import (
     LongctxSpec,
     RagSpec,
 )
-from workloads.tokenizer import get_tokenizer
+from kvbench.workloads.tokenizer import get_tokenizer
 
 TOK = get_tokenizer()
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def _next_answered(wl, s):
 def test_chat_prompt_lengths_exact(seed, mean, sigma):
     dist = LengthDist(dist="lognormal", mean=mean, sigma=sigma, min=12, max=8000)
     wl = build_spec("chat", ChatSpec(requests=8, prompt_tokens=dist), TOK, seed)
-    from workloads.common import rng_for
+    from kvbench.workloads.common import rng_for
     want = sample(dist, rng_for(seed, "chat", "prompt"), 8)
     got = [r.prompt_tokens for r in wl.requests()]
     assert got == want.tolist()
@@ -317,7 +317,7 @@ def test_working_set_sizing(multiple):
 
 
 def test_working_set_rejected_where_meaningless():
-    from kvbench.errors import UserError
+    from kvbench.core.errors import UserError
     cfg = _cfg({"c": {"kind": "chat", "working_set": {"kv_capacity_tokens": 10,
                                                       "multiple": 2}}})
     with pytest.raises(UserError, match="working_set"):
@@ -371,7 +371,7 @@ def hf_tokenizer(tmp_path_factory):
     """A small byte-level BPE tokenizer.json trained here (no model download)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from workloads.tokenizer import _builtin_vocabulary
+    from kvbench.workloads.tokenizer import _builtin_vocabulary
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvbench.errors import UserError
-from workloads.describe import describe
-from workloads.registry import build_spec
-from workloads.specs import TraceSpec
-from workloads.tokenizer import get_tokenizer
-from workloads.traces import guess_format
-from workloads.traces.azure import parse_timestamp
-from workloads.traces.lmcache_agent import common_prefix_len
+from kvbench.core.errors import UserError
+from kvbench.workloads.describe import describe
+from kvbench.workloads.registry import build_spec
+from kvbench.workloads.specs import TraceSpec
+from kvbench.workloads.tokenizer import get_tokenizer
+from kvbench.workloads.traces import guess_format
+from kvbench.workloads.traces.azure import parse_timestamp
+from kvbench.workloads.traces.lmcache_agent import common_prefix_len
 
 TOK = get_tokenizer()
 

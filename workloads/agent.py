@@ -9,10 +9,10 @@ was never fed (the request failed) continues with an empty response.
 
 from __future__ import annotations
 
-from workloads.base import Request
-from workloads.common import GeneratedWorkload, rng_for, sample
-from workloads.prompt import Assembler, Piece
-from workloads.specs import AgentSpec
+from kvbench.workloads.base import Request
+from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
+from kvbench.workloads.prompt import Assembler, Piece
+from kvbench.workloads.specs import AgentSpec
 
 
 class AgentSession:

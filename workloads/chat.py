@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from workloads.base import Request, SingleTurnSession
-from workloads.common import GeneratedWorkload, rng_for, sample
-from workloads.prompt import Assembler, Piece
-from workloads.specs import ChatSpec
+from kvbench.workloads.base import Request, SingleTurnSession
+from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
+from kvbench.workloads.prompt import Assembler, Piece
+from kvbench.workloads.specs import ChatSpec
 
 
 class ChatWorkload(GeneratedWorkload):

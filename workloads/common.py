@@ -9,10 +9,10 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from workloads.base import Request, Session
-from workloads.specs import LengthDist
-from workloads.text import TextFactory, key_seed
-from workloads.tokenizer import BuiltinTokenizer, Tokenizer
+from kvbench.workloads.base import Request, Session
+from kvbench.workloads.specs import LengthDist
+from kvbench.workloads.text import TextFactory, key_seed
+from kvbench.workloads.tokenizer import BuiltinTokenizer, Tokenizer
 
 _POOL = 16384  # words in the synthetic-response pool
 

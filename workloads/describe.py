@@ -20,7 +20,7 @@ from typing import Iterable
 
 import numpy as np
 
-from workloads.tokenizer import BuiltinTokenizer, get_tokenizer
+from kvbench.workloads.tokenizer import BuiltinTokenizer, get_tokenizer
 
 _CHAIN_START = 0x6B7662656E6368  # any constant: starts every block-hash chain
 

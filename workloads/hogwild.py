@@ -9,10 +9,10 @@ one process; ``requests()`` sends a round of every worker, then appends the roun
 
 from __future__ import annotations
 
-from workloads.base import Request
-from workloads.common import GeneratedWorkload, rng_for, sample
-from workloads.prompt import Assembler, Piece
-from workloads.specs import HogwildSpec
+from kvbench.workloads.base import Request
+from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
+from kvbench.workloads.prompt import Assembler, Piece
+from kvbench.workloads.specs import HogwildSpec
 
 
 class _Task:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.errors import UserError
-from workloads.base import Request
-from workloads.common import GeneratedWorkload, rng_for, sample
-from workloads.prompt import Assembler, Piece
-from workloads.specs import LongctxSpec
+from kvbench.core.errors import UserError
+from kvbench.workloads.base import Request
+from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
+from kvbench.workloads.prompt import Assembler, Piece
+from kvbench.workloads.specs import LongctxSpec
 
 
 class ContractSession:

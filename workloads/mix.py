@@ -13,9 +13,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from workloads.base import Request, Session
-from workloads.common import flatten, rng_for
-from workloads.specs import MixSpec
+from kvbench.workloads.base import Request, Session
+from kvbench.workloads.common import flatten, rng_for
+from kvbench.workloads.specs import MixSpec
 
 
 class _Capped:

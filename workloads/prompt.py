@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from workloads.tokenizer import BuiltinTokenizer, Tokenizer
+from kvbench.workloads.tokenizer import BuiltinTokenizer, Tokenizer
 
 
 def _alnum(c: str) -> bool:

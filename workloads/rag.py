@@ -12,11 +12,11 @@ from typing import Iterator
 
 import numpy as np
 
-from kvbench.errors import UserError
-from workloads.base import Request, SingleTurnSession
-from workloads.common import GeneratedWorkload, rng_for, sample, zipf_cdf
-from workloads.prompt import Assembler, Piece
-from workloads.specs import RagSpec
+from kvbench.core.errors import UserError
+from kvbench.workloads.base import Request, SingleTurnSession
+from kvbench.workloads.common import GeneratedWorkload, rng_for, sample, zipf_cdf
+from kvbench.workloads.prompt import Assembler, Piece
+from kvbench.workloads.specs import RagSpec
 
 
 class RagWorkload(GeneratedWorkload):

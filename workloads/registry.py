@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvbench.errors import UserError
-from workloads.specs import (
+from kvbench.core.errors import UserError
+from kvbench.workloads.specs import (
     AgentSpec,
     ChatSpec,
     HogwildSpec,
@@ -12,7 +12,7 @@ from workloads.specs import (
     RagSpec,
     TraceSpec,
 )
-from workloads.tokenizer import get_tokenizer
+from kvbench.workloads.tokenizer import get_tokenizer
 
 
 def _generator(name: str, spec, tokenizer, seed: int, n_requests: int | None = None):
@@ -21,22 +21,22 @@ def _generator(name: str, spec, tokenizer, seed: int, n_requests: int | None = N
         raise UserError(f"workloads.{name}.working_set: sizing applies to rag, longctx and "
                         f"agent workloads, not {spec.kind}; remove working_set")
     if isinstance(spec, RagSpec):
-        from workloads.rag import RagWorkload
+        from kvbench.workloads.rag import RagWorkload
         return RagWorkload(name, spec, tokenizer, seed, n_requests)
     if isinstance(spec, AgentSpec):
-        from workloads.agent import AgentWorkload
+        from kvbench.workloads.agent import AgentWorkload
         return AgentWorkload(name, spec, tokenizer, seed, n_requests)
     if isinstance(spec, LongctxSpec):
-        from workloads.longctx import LongctxWorkload
+        from kvbench.workloads.longctx import LongctxWorkload
         return LongctxWorkload(name, spec, tokenizer, seed, n_requests)
     if isinstance(spec, ChatSpec):
-        from workloads.chat import ChatWorkload
+        from kvbench.workloads.chat import ChatWorkload
         return ChatWorkload(name, spec, tokenizer, seed, n_requests)
     if isinstance(spec, HogwildSpec):
-        from workloads.hogwild import HogwildWorkload
+        from kvbench.workloads.hogwild import HogwildWorkload
         return HogwildWorkload(name, spec, tokenizer, seed, n_requests)
     if isinstance(spec, TraceSpec):
-        from workloads.traces import open_trace
+        from kvbench.workloads.traces import open_trace
         if n_requests is not None and (spec.limit is None or spec.limit > n_requests):
             spec = spec.model_copy(update={"limit": n_requests})
         return open_trace(name, spec, tokenizer, seed)
@@ -67,7 +67,7 @@ def make_workload(name: str, cfg, tokenizer=None):
         return s.seed if s.seed is not None else cfg.suite.seed
 
     if isinstance(spec, MixSpec):
-        from workloads.mix import MixWorkload
+        from kvbench.workloads.mix import MixWorkload
 
         def build(cname: str, n: int):
             return _generator(cname, cfg.workloads[cname], tok, seed_of(cfg.workloads[cname]),

@@ -13,7 +13,7 @@ import hashlib
 
 import numpy as np
 
-from workloads.tokenizer import BuiltinTokenizer, Tokenizer
+from kvbench.workloads.tokenizer import BuiltinTokenizer, Tokenizer
 
 
 def key_seed(*parts: object) -> int:

@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 BUILTIN_NAME = "kvbench-words-v1"
 

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -20,7 +20,7 @@ def _listen(value: str) -> tuple[str, int]:
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    from collectors.agent import DEFAULT_TOKEN_ENV
+    from kvbench.collectors.agent import DEFAULT_TOKEN_ENV
 
     p.add_argument("--listen", type=_listen, default=("127.0.0.1", 9402), metavar="HOST:PORT",
                    help="address to serve samples on (default 127.0.0.1:9402; any address "
@@ -35,7 +35,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from collectors.agent import AgentServer
+    from kvbench.collectors.agent import AgentServer
 
     if args.interval_s <= 0:
         raise UserError(f"kvbench collect: --interval-s {args.interval_s} must be above 0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvbench.errors import DataError, UserError
+from kvbench.core.errors import DataError, UserError
 
 EXIT_DATA = 3
 
@@ -31,7 +31,7 @@ def add_parser(p) -> None:
 
 
 def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: Path) -> Path:
-    from kvbench.history import last_pass
+    from kvbench.reports.history import last_pass
 
     if spec == "last-pass":
         return last_pass(results_dir, suite, exclude_run=current.name)
@@ -53,10 +53,10 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from kvbench import history
+    from kvbench.reports import history
     from kvbench.config import GateConfig, load_config
-    from kvbench.store import load_results
-    from reports import gate
+    from kvbench.core.store import load_results
+    from kvbench.reports import gate
 
     current_path = Path(args.current)
     current = load_results(current_path)
@@ -99,8 +99,8 @@ def _run(args) -> int:
 
 
 def _history_rows(results, slo) -> list[dict]:
-    from kvbench.history import KEY_METRICS
-    from reports import metrics as M
+    from kvbench.reports.history import KEY_METRICS
+    from kvbench.reports import metrics as M
 
     frame = M.request_frame(results.requests, stages=results.meta.get("stages") or (), slo=slo)
     rows = []

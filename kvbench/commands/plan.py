@@ -13,8 +13,8 @@ def add_parser(p) -> None:
 
 
 def compute(output_tokens: int = 256) -> dict:
-    from endpoints import costmodel as cm
-    from endpoints import profiles as pf
+    from kvbench.model import costmodel as cm
+    from kvbench.model import profiles as pf
 
     routers = [cm.simulate_routing(s) for s in cm.ROUTER_STRATEGIES]
     hbm_tokens = cm.GPU_MEMORY_UTILIZATION * pf.HARDWARE["h200"].hbm_bytes
@@ -69,7 +69,7 @@ def run(args) -> int:
     if args.json:
         print(orjson.dumps(d, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
         return 0
-    from endpoints import costmodel as cm
+    from kvbench.model import costmodel as cm
 
     print("Routers (RAG stream over 3 regions x 4 replicas; TTFT hit "
           f"{d['router_ttft_ms']['hit']:.0f} ms, miss {d['router_ttft_ms']['miss']:.0f} ms, "

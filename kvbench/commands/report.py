@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 
 def add_parser(p) -> None:
@@ -23,7 +23,7 @@ def add_parser(p) -> None:
 
 
 def run(args) -> int:
-    from reports.render import render
+    from kvbench.reports.render import render
 
     for path in args.results:
         if not path.is_dir():

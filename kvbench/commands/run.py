@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 LOCUSTFILES = {"longctx": "longctx.py", "rag": "rag.py", "agent": "agent.py", "mix": "mix.py",
                "trace": "trace.py"}
@@ -44,7 +44,7 @@ def add_parser(p) -> None:
 
 
 def run(args) -> int:
-    from kvbench import store
+    from kvbench.core import store
     from kvbench.config import load_config
 
     cfg_path = Path(args.config)
@@ -152,7 +152,7 @@ def _default_workloads(cfg) -> list[str]:
 
 
 def _build_workloads(cfg, names) -> dict:
-    from workloads.registry import make_workload
+    from kvbench.workloads.registry import make_workload
 
     return {n: make_workload(n, cfg) for n in names}
 
@@ -205,7 +205,7 @@ def _http_json(url: str, payload: dict | None = None, headers: dict | None = Non
 
 
 def _auth(ep) -> dict:
-    from loadgen.openai import auth_headers
+    from kvbench.loadgen.openai import auth_headers
 
     return auth_headers(getattr(ep, "headers", None), getattr(ep, "api_key_env", None),
                         f"endpoint {ep.name!r}")
@@ -275,7 +275,7 @@ def _check_token_counts(ep, url, model, samples, headers) -> None:
 
 def _start_collectors(run_dir, cfg, ep_info, meta_extra):
     try:
-        from collectors.session import start_collectors
+        from kvbench.collectors.session import start_collectors
     except ImportError as exc:
         meta_extra["telemetry"]["collectors"] = f"not available ({exc})"
         meta_extra["incomplete"].append({"what": "telemetry", "why": "collectors not installed"})
@@ -320,7 +320,7 @@ def _jobs(cfg, ep_info, wl_names, prof_names, scale) -> list[dict]:
 
 
 def _run_locust(job, cfg_path, run_id, results_dir, run_dir, processes) -> tuple:
-    import loadgen
+    import kvbench.loadgen as loadgen
 
     e = job["endpoint"]
     prof = job["prof"]
@@ -373,7 +373,7 @@ def _run_locust(job, cfg_path, run_id, results_dir, run_dir, processes) -> tuple
 
 
 def _records_so_far(run_dir: Path) -> int:
-    from loadgen.sink import merge_proc_meta, read_proc_meta
+    from kvbench.loadgen.sink import merge_proc_meta, read_proc_meta
 
     return merge_proc_meta(read_proc_meta(run_dir))["counts"]["records_written"]
 
@@ -381,8 +381,8 @@ def _records_so_far(run_dir: Path) -> int:
 # --------------------------------------------------------------------------- results
 
 def _finish(run_dir, run_id, cfg, started_ns, ep_info, workloads, extra, results_dir) -> None:
-    from kvbench import store
-    from loadgen.sink import merge_proc_meta, read_proc_meta
+    from kvbench.core import store
+    from kvbench.loadgen.sink import merge_proc_meta, read_proc_meta
 
     merged = merge_proc_meta(read_proc_meta(run_dir))
     rows = store.compact(run_dir, "requests")
@@ -391,7 +391,7 @@ def _finish(run_dir, run_id, cfg, started_ns, ep_info, workloads, extra, results
     described = {}
     for name, wl in workloads.items():
         try:
-            from workloads.describe import describe
+            from kvbench.workloads.describe import describe
 
             described[name] = describe(wl)
         except Exception as exc:  # noqa: BLE001 - a summary must not lose the run
@@ -436,7 +436,7 @@ def describe_sent_requests(run_dir: Path, workloads: dict, endpoint_cfgs=()) -> 
     scraped ``vllm:cache_config_info``). Reads the compacted requests.parquet."""
     import pyarrow.parquet as pq
 
-    from workloads.describe import sent_descriptions
+    from kvbench.workloads.describe import sent_descriptions
 
     pfile = Path(run_dir) / "requests.parquet"
     if not workloads or not pfile.exists():
@@ -475,7 +475,7 @@ def endpoint_caches(run_dir: Path, endpoint_cfgs=()) -> dict:
         if getattr(ep, "kind", None) != "builtin":
             continue
         try:
-            from endpoints.config import validate_options
+            from kvbench.endpoints.config import validate_options
 
             res = validate_options(ep.topology, ep.options or {}).resolved()
         except Exception:  # noqa: BLE001 - validated before the run; be safe anyway
@@ -487,8 +487,8 @@ def endpoint_caches(run_dir: Path, endpoint_cfgs=()) -> dict:
 
 def _summary(run_dir: Path, counts: dict) -> None:
     """A few numbers per endpoint, computed with the reports' metric definitions."""
-    from kvbench.store import load_results
-    from reports import metrics as M
+    from kvbench.core.store import load_results
+    from kvbench.reports import metrics as M
 
     res = load_results(run_dir)
     if res.requests.num_rows == 0:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed")
 
@@ -51,7 +51,7 @@ def load_options(config: str | None, options_json: str | None) -> dict:
 def build_config(topology: str, options: dict, where: str = "emulator settings"):
     from pydantic import ValidationError
 
-    from endpoints.config import validate_options
+    from kvbench.endpoints.config import validate_options
 
     try:
         return validate_options(topology, options)
@@ -64,7 +64,7 @@ def build_config(topology: str, options: dict, where: str = "emulator settings")
 
 
 async def serve(cfg, host: str, port: int) -> None:
-    from endpoints.server import EmulatorServer
+    from kvbench.endpoints.server import EmulatorServer
 
     srv = EmulatorServer(cfg, host, port)
     try:

@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvbench.errors import UserError
+from kvbench.core.errors import UserError
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -59,14 +59,14 @@ def _is_path(target: str) -> bool:
 
 def _workload(target: str, args, cfg_cache: dict):
     """(workload, default capacity) for a config name or a trace path."""
-    from workloads.tokenizer import get_tokenizer
+    from kvbench.workloads.tokenizer import get_tokenizer
 
     if _is_path(target):
         from pydantic import ValidationError
 
-        from workloads.registry import build_spec
-        from workloads.specs import TraceSpec
-        from workloads.traces import guess_format
+        from kvbench.workloads.registry import build_spec
+        from kvbench.workloads.specs import TraceSpec
+        from kvbench.workloads.traces import guess_format
 
         path = Path(target)
         if not path.exists():
@@ -84,7 +84,7 @@ def _workload(target: str, args, cfg_cache: dict):
         if Path(args.config).exists():
             tok_spec = _config(args, cfg_cache).suite.tokenizer
         return build_spec(path.name, spec, get_tokenizer(tok_spec), 0), None
-    from workloads.registry import make_workload
+    from kvbench.workloads.registry import make_workload
 
     cfg = _config(args, cfg_cache)
     wl = make_workload(target, cfg)
@@ -113,7 +113,7 @@ def run(args) -> int:
 def _describe(args) -> int:
     import orjson
 
-    from workloads.describe import describe
+    from kvbench.workloads.describe import describe
 
     cache: dict = {}
     targets = list(args.target)

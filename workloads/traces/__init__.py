@@ -13,11 +13,11 @@ from typing import Iterator
 
 import numpy as np
 
-from kvbench.errors import UserError
-from workloads.base import Request, SingleTurnSession
-from workloads.common import GeneratedWorkload, rng_for
-from workloads.prompt import Assembler
-from workloads.specs import TraceSpec
+from kvbench.core.errors import UserError
+from kvbench.workloads.base import Request, SingleTurnSession
+from kvbench.workloads.common import GeneratedWorkload, rng_for
+from kvbench.workloads.prompt import Assembler
+from kvbench.workloads.specs import TraceSpec
 
 FORMATS = ("mooncake", "azure", "lmcache_agent")
 
@@ -118,10 +118,10 @@ class TraceWorkload(GeneratedWorkload):
 
 def open_trace(name: str, spec: TraceSpec, tokenizer, seed: int) -> TraceWorkload:
     if spec.format == "mooncake":
-        from workloads.traces.mooncake import MooncakeTrace
+        from kvbench.workloads.traces.mooncake import MooncakeTrace
         return MooncakeTrace(name, spec, tokenizer, seed)
     if spec.format == "azure":
-        from workloads.traces.azure import AzureTrace
+        from kvbench.workloads.traces.azure import AzureTrace
         return AzureTrace(name, spec, tokenizer, seed)
-    from workloads.traces.lmcache_agent import LMCacheAgentTrace
+    from kvbench.workloads.traces.lmcache_agent import LMCacheAgentTrace
     return LMCacheAgentTrace(name, spec, tokenizer, seed)

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import numpy as np
 
-from workloads.base import Request
-from workloads.prompt import Piece
-from workloads.traces import BadLines, TraceWorkload
+from kvbench.workloads.base import Request
+from kvbench.workloads.prompt import Piece
+from kvbench.workloads.traces import BadLines, TraceWorkload
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from workloads.base import Request
-from workloads.prompt import merges
-from workloads.traces import BadLines, TraceWorkload
+from kvbench.workloads.base import Request
+from kvbench.workloads.prompt import merges
+from kvbench.workloads.traces import BadLines, TraceWorkload
 
 
 def common_prefix_len(a: str, b: str) -> int:
@@ -72,7 +72,7 @@ class LMCacheAgentTrace(TraceWorkload):
         super().__init__(name, spec, tokenizer, seed)
         files = sorted(self.path.glob("*.jsonl")) if self.path.is_dir() else [self.path]
         if not files:
-            from kvbench.errors import UserError
+            from kvbench.core.errors import UserError
             raise UserError(f"workloads.{name}.path: {self.path} holds no .jsonl session "
                             "files; point it at a directory of LMCache agent traces")
         records: list[_Record] = []

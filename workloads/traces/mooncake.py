@@ -15,9 +15,9 @@ from typing import Iterator
 import numpy as np
 import orjson
 
-from workloads.base import Request
-from workloads.prompt import Piece
-from workloads.traces import BadLines, TraceWorkload
+from kvbench.workloads.base import Request
+from kvbench.workloads.prompt import Piece
+from kvbench.workloads.traces import BadLines, TraceWorkload
 
 BLOCK_TOKENS = 512  # Mooncake's hash block (FAST25-release/README)
 _CACHE_BLOCKS = 8192  # block texts kept (~3 KB each)

@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbench.schema import ENGINE, GPU, REQUESTS
-from kvbench.store import write_run_json
+from kvbench.core.schema import ENGINE, GPU, REQUESTS
+from kvbench.core.store import write_run_json
 
 T0_NS = 1_780_000_000 * 10**9  # a fixed epoch (mid 2026) so outputs are reproducible
 

@@ -5,8 +5,8 @@ timestamps are compared with. Decoding is stepped like an engine (every ``itl_ms
 stream gets one token), so thousands of streams cost one timer. Times are ``time.monotonic_ns``
 (CLOCK_MONOTONIC, the clock ``time.perf_counter_ns`` reads on Linux, shared by all processes).
 
-Run: ``python -m loadgen.testing --port 0 [--ttft-ms 50 --itl-ms 10 --style vllm]``; it prints
-``loadgen.testing: listening on http://HOST:PORT``. ``GET /log`` returns and clears the send
+Run: ``python tests/stream_server.py --port 0 [--ttft-ms 50 --itl-ms 10 --style vllm]``; it prints
+``stream_server: listening on http://HOST:PORT``. ``GET /log`` returns and clears the send
 log. Request header ``x-test-fault`` injects: ``http500``, ``error`` (error object after 2
 chunks), ``disconnect`` (drop after 2 chunks), ``no-done``, ``empty`` (empty-text tokens),
 ``mismatch`` (usage says one token fewer than the chunks carried), ``keepalive`` (comment
@@ -65,14 +65,14 @@ class Server:
 
     def count(self, text: str) -> int:
         if self._tok is None:
-            from workloads.tokenizer import get_tokenizer
+            from kvbench.workloads.tokenizer import get_tokenizer
 
             self._tok = get_tokenizer("builtin")
         return self._tok.count(text)
 
     def prompt_tokens(self, body: dict) -> int:
         if "messages" in body:
-            from workloads.tokenizer import render_chat_builtin
+            from kvbench.workloads.tokenizer import render_chat_builtin
 
             return self.count(render_chat_builtin(body["messages"]))
         return self.count(body.get("prompt") or "")
@@ -244,7 +244,7 @@ async def _main(args) -> None:
     server = await asyncio.start_server(srv.handle, args.host, args.port, backlog=4096)
     port = server.sockets[0].getsockname()[1]
     asyncio.get_running_loop().create_task(srv.ticker())
-    print(f"loadgen.testing: listening on http://{args.host}:{port}", flush=True)
+    print(f"stream_server: listening on http://{args.host}:{port}", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -253,7 +253,7 @@ async def _main(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m loadgen.testing")
+    p = argparse.ArgumentParser(prog="python tests/stream_server.py")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ttft-ms", type=float, default=50.0)
@@ -267,11 +267,10 @@ def main(argv=None) -> None:
 def start(**opts) -> tuple[subprocess.Popen, str]:
     """Start the server in a subprocess; returns (process, base URL). Options are the CLI's
     (``ttft_ms=20, itl_ms=5, style="llamacpp"``)."""
-    cmd = [sys.executable, "-m", "loadgen.testing"]
+    cmd = [sys.executable, os.path.abspath(__file__)]
     for k, v in opts.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -307,7 +306,7 @@ class TinyWorkload:
         self.rate_rps = rate_rps
 
     def sessions(self):
-        from workloads.base import Request
+        from kvbench.workloads.base import Request
 
         tiny = self
 

@@ -29,8 +29,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from kvbench.errors import DataError
-from kvbench.schema import SCHEMA_VERSION, TABLES
+from kvbench.core.errors import DataError
+from kvbench.core.schema import SCHEMA_VERSION, TABLES
 
 
 def new_run_id(suite: str = "default") -> str:

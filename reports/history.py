@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvbench.errors import DataError
+from kvbench.core.errors import DataError
 
 HISTORY = pa.schema([
     ("run_id", pa.string()),

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from endpoints.profiles import (
+from kvbench.model.profiles import (
     CACHE_HIT_MS,
     CACHE_MISS_MS,
     CROSS_REGION_RTT_MS,

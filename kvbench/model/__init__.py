@@ -1,0 +1,1 @@
+"""The seeds' cost model and hardware/model profiles: pure functions, no I/O."""
