@@ -1,17 +1,11 @@
-"""Where collectors put their rows: columnar buffers turned into Arrow record batches, and a
-thread-safe writer of ``<table>-<host>-<pid>.arrows`` shards (Arrow IPC streams)."""
+"""Where collectors put their rows: columnar buffers turned into Arrow record batches, written
+by the store's ``ShardWriter`` to ``<table>-<host>-<pid>.arrows`` shards."""
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
-from pathlib import Path
-
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
-from kvbench.core.schema import TABLES
+from kvbench.core.store import ShardWriter
 
 
 class Columns:
@@ -38,42 +32,5 @@ class Columns:
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
 
-class ShardSink:
-    """Appends batches of one table to ``<run_dir>/<table>-<host>-<pid>.arrows``.
-
-    Each batch is flushed to the file as it is written, so a killed run keeps every complete
-    batch (``kvbench.store.read_shards`` reads up to the last one).
-    """
-
-    def __init__(self, run_dir: Path, table: str, tag: str | None = None):
-        self.schema = TABLES[table]
-        name = f"{table}-{socket.gethostname()}-{os.getpid()}"
-        self.path = Path(run_dir) / (f"{name}-{tag}.arrows" if tag else f"{name}.arrows")
-        self._lock = threading.Lock()
-        self._fh = None
-        self._writer = None
-        self.rows = 0
-        self.closed = False
-
-    def write(self, batch: pa.RecordBatch | None) -> None:
-        if batch is None or batch.num_rows == 0:
-            return
-        with self._lock:
-            if self.closed:
-                return
-            if self._writer is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fh = open(self.path, "wb")
-                self._writer = ipc.new_stream(self._fh, self.schema)
-            self._writer.write_batch(batch.cast(self.schema) if batch.schema != self.schema
-                                     else batch)
-            self._fh.flush()
-            self.rows += batch.num_rows
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-            if self._writer is not None:
-                self._writer.close()
-                self._fh.close()
-                self._writer = self._fh = None
+# The one shard writer lives in the results store; collectors write their tables through it.
+ShardSink = ShardWriter

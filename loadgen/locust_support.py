@@ -646,7 +646,7 @@ def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float
     if rows != merged["counts"]["records_written"] and metas:
         meta["incomplete"].append({"what": "records", "why": f"{rows} rows compacted, "
                                    f"{merged['counts']['records_written']} written"})
-    store.write_run_json(run_dir, meta)
+    store.write_run_json(run_dir, store.RunMeta.from_dict(meta))
     log.info("kvbench: %d records in %s", rows, run_dir)
 
 

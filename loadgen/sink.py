@@ -10,27 +10,17 @@ readable up to its last complete batch if the process dies, so a kill loses at m
 from __future__ import annotations
 
 import atexit
-import json
-import os
-import re
 import socket
 import threading
 import time
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from kvbench.core.schema import REQUESTS
-from kvbench.core.store import worker_name
+from kvbench.core.store import ShardWriter, read_proc_meta, worker_name, write_proc_meta
 
 COLUMNS = tuple(REQUESTS.names)
-_INDEX = {name: i for i, name in enumerate(COLUMNS)}
-
-
-def shard_stem(host: str | None = None, pid: int | None = None) -> str:
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())
-    return f"{host}-{pid or os.getpid()}"
 
 
 class RecordSink:
@@ -41,16 +31,13 @@ class RecordSink:
                  use_threadpool: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        stem = shard_stem()
-        self.path = self.run_dir / f"requests-{stem}.arrows"
-        self.meta_path = self.run_dir / f"proc-{stem}.json"
+        self._shard = ShardWriter(self.run_dir, "requests")
+        self._shard.open()
+        self.path = self._shard.path
         self.flush_interval_s = flush_interval_s
         self.use_threadpool = use_threadpool
         self._cols: list[list] = [[] for _ in COLUMNS]
-        self._fh = open(self.path, "ab")
-        self._writer = ipc.new_stream(self._fh, REQUESTS)
-        self._fh.flush()
-        self._lock = threading.Lock()  # one writer at a time (thread pool vs final flush)
+        self._lock = threading.Lock()  # one batch at a time (thread pool vs final flush)
         self._pending = None  # the thread-pool flush in progress
         self._loop = None
         self.closed = False
@@ -80,12 +67,9 @@ class RecordSink:
         batch = pa.RecordBatch.from_arrays(
             [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)], schema=REQUESTS)
         with self._lock:
-            if self._writer is None:
-                return 0
-            self._writer.write_batch(batch)
-            self._fh.flush()
-            self.written += batch.num_rows
-        return batch.num_rows
+            n = self._shard.write(batch)
+            self.written += n
+        return n
 
     def flush(self) -> None:
         """Write what is buffered in the background (gevent thread pool) and return at once."""
@@ -131,28 +115,13 @@ class RecordSink:
         if cols is not None:
             self._write(cols)
         with self._lock:
-            self._writer.close()
-            self._writer = None
-            self._fh.close()
+            self._shard.close()
         counts = self.meta["counts"]
         counts["requests_started"] = self.started
         counts["records_written"] = self.written
         meta = {**self.meta, "worker": worker_name(),
                 "host": socket.gethostname(), "closed_ns": time.time_ns()}
-        tmp = self.meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=1, default=str))
-        os.replace(tmp, self.meta_path)
-
-
-def read_proc_meta(run_dir: Path | str) -> list[dict]:
-    """The sidecars of every load process of a run."""
-    out = []
-    for p in sorted(Path(run_dir).glob("proc-*.json")):
-        try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
+        self.meta_path = write_proc_meta(self.run_dir, meta)
 
 
 def merge_proc_meta(metas: list[dict]) -> dict:

@@ -57,7 +57,7 @@ def test_builtin_disaggregated_endpoint_metrics_land_in_results(tmp_path):
     tel = out["telemetry"]
     assert tel["engine:disagg"] == "ok" and tel["dcgm:disagg"] == "ok"
     assert tel["nvml"].startswith("no NVML library") and out["incomplete"] == []
-    store.write_run_json(tmp_path, {"run_id": "e2e", **out})
+    store.write_run_json(tmp_path, store.RunMeta.from_dict({"run_id": "e2e", **out}))
     res = store.load_results(tmp_path)
     eng = res.tables["engine"].to_pandas()
     gpu = res.tables["gpu"].to_pandas()

@@ -53,7 +53,7 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     (host, off), = out["clock_offsets_ns"].items()
     assert abs(off - 3_000_000_000) < 50_000_000
     assert not list(tmp_path.glob("*.arrows"))  # compacted
-    store.write_run_json(tmp_path, {"run_id": "t", **out})
+    store.write_run_json(tmp_path, store.RunMeta.from_dict({"run_id": "t", **out}))
     res = store.load_results(tmp_path)
     gpu = res.tables["gpu"].to_pandas()
     eng = res.tables["engine"].to_pandas()

@@ -418,7 +418,7 @@ def _finish(run_dir, run_id, cfg, started_ns, ep_info, workloads, extra, results
         "incomplete": incomplete, "counts": merged["counts"], "workloads": described,
         "workloads_sent": sent,
     }
-    store.write_run_json(run_dir, meta)
+    store.write_run_json(run_dir, store.RunMeta.from_dict(meta))
     latest = results_dir / "latest"
     try:
         if latest.is_symlink() or latest.exists():

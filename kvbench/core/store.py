@@ -12,18 +12,26 @@
 * ``clock_offsets_ns``: {host: offset to add to that host's timestamps};
 * ``telemetry``: {source: "ok" | reason it is missing};
 * ``incomplete``: [{what, why}] — everything that did not happen as asked;
-* ``counts``: {requests_started, records_written, dropped_at_cap}.
+* ``counts``: {requests_started, records_written, dropped_at_cap};
+* ``workloads``: {name: describe()}; ``workloads_sent``: {endpoint: {workload: describe()}}.
+
+``RunMeta`` is the typed view of run.json; ``runs.finalize`` is its one writer. Tables are read
+through ``scan`` (record batches, parquet then live shards, conformed to the schema) and written
+through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -65,66 +73,72 @@ def versions() -> dict[str, str]:
     return out
 
 
-def write_run_json(run_dir: Path, meta: dict) -> None:
-    """Atomic write (temp file + rename), so a reader never sees half a run.json."""
-    meta = {"schema_version": SCHEMA_VERSION, **meta}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, run_dir / "run.json")
 
-
-def read_shards(run_dir: Path, table: str) -> pa.Table:
-    """Every complete batch of every ``<table>-*.arrows`` shard (a killed writer loses only
-    its unfinished batch)."""
-    schema = TABLES[table]
-    parts = []
-    for shard in sorted(run_dir.glob(f"{table}-*.arrows")):
-        try:
-            with open(shard, "rb") as fh:
-                reader = ipc.open_stream(fh)
-                while True:
-                    try:
-                        parts.append(reader.read_next_batch())
-                    except StopIteration:
-                        break
-        except (pa.ArrowInvalid, OSError):
-            continue  # truncated mid-batch: keep what was read
-    if not parts:
-        return schema.empty_table()
-    return pa.Table.from_batches(parts).cast(schema)
-
-
-def compact(run_dir: Path, table: str, remove_shards: bool = True) -> int:
-    """Merge ``<table>-*.arrows`` shards (and an existing parquet) into ``<table>.parquet``."""
-    shards = sorted(run_dir.glob(f"{table}-*.arrows"))
-    if not shards:
-        return 0
-    t = read_shards(run_dir, table)
-    existing = run_dir / f"{table}.parquet"
-    if existing.exists():
-        t = pa.concat_tables([pq.read_table(existing).cast(TABLES[table]), t])
-    tmp = run_dir / f"{table}.parquet.tmp"
-    pq.write_table(t, tmp, compression="zstd")
-    os.replace(tmp, existing)
-    if remove_shards:
-        for s in shards:
-            s.unlink(missing_ok=True)
-    return t.num_rows
+# --------------------------------------------------------------------------- run.json
 
 
 @dataclass
-class Results:
-    path: Path
-    meta: dict
-    tables: dict[str, pa.Table] = field(default_factory=dict)
+class RunMeta:
+    """run.json, typed. Unknown keys written by other versions are kept in ``extra``."""
+
+    run_id: str
+    suite: str = "default"
+    started_ns: int | None = None
+    ended_ns: int | None = None
+    config: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    git_commit: str | None = None
+    hosts: list = field(default_factory=list)
+    endpoints: list = field(default_factory=list)
+    stages: list = field(default_factory=list)
+    clock_offsets_ns: dict = field(default_factory=dict)
+    telemetry: dict = field(default_factory=dict)
+    incomplete: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+    workloads: dict = field(default_factory=dict)
+    workloads_sent: dict | None = None  # None: written before kvbench recorded it
+    extra: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunMeta":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kw = {k: v for k, v in data.items() if k in known and v is not None}
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(**{"run_id": str(data.get("run_id") or ""), **kw, "extra": extra})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        return {**extra, **d}
+
+    # Transitional dict-style access while callers move to attributes (removed before landing).
+    def get(self, key, default=None):
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key):
+        return self.to_dict()[key]
+
+    def __contains__(self, key) -> bool:
+        return self.to_dict().get(key) is not None
 
     @property
-    def requests(self) -> pa.Table:
-        return self.tables["requests"]
+    def slo(self) -> dict:
+        """The resolved config's ``[slo.*]`` tables: {class: {ttft_ms, tpot_ms, e2e_ms}}."""
+        return (self.config or {}).get("slo") or {}
 
 
-def read_meta(run_dir: Path | str) -> dict:
+def write_run_json(run_dir: Path, meta: RunMeta) -> None:
+    """Atomic write (temp file + rename), so a reader never sees half a run.json. Called only
+    by ``kvbench.runs.finalize``."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(meta.to_dict(), indent=2, sort_keys=True, default=str))
+    os.replace(tmp, run_dir / "run.json")
+
+
+def read_meta(run_dir: Path | str) -> RunMeta:
     """run.json of a run directory, checked: present, readable, of this schema version."""
     run_dir = Path(run_dir)
     meta_path = run_dir / "run.json"
@@ -132,28 +146,194 @@ def read_meta(run_dir: Path | str) -> dict:
         raise DataError(f"{run_dir}: no run.json there; give a results directory written by "
                         "kvbench run or a locustfile")
     try:
-        meta = json.loads(meta_path.read_text())
+        data = json.loads(meta_path.read_text())
     except ValueError as exc:
         raise DataError(f"{meta_path}: unreadable run.json ({exc}); rerun or restore it") from None
-    ver = meta.get("schema_version")
+    ver = data.get("schema_version") if isinstance(data, dict) else None
     if ver != SCHEMA_VERSION:
         raise DataError(f"{meta_path}: results of schema version {ver}, this kvbench reads "
                         f"version {SCHEMA_VERSION}; use the kvbench version that wrote them")
-    return meta
+    return RunMeta.from_dict(data)
 
 
-def read_table(run_dir: Path | str, name: str) -> pa.Table:
-    """One table of a run: its parquet (if compacted) plus any live shards."""
+# --------------------------------------------------------------------------- writing tables
+
+
+def shard_stem(host: str | None = None, pid: int | None = None) -> str:
+    """``<host>-<pid>`` with the host made file-name safe: one shard per process and table."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())
+    return f"{host}-{pid or os.getpid()}"
+
+
+class ShardWriter:
+    """The one writer of table shards: appends record batches to
+    ``<run_dir>/<table>-<host>-<pid>[-<tag>].arrows``, an Arrow IPC stream flushed after each
+    batch, so a killed process keeps every complete batch (``scan`` reads up to the last).
+    Thread-safe; the file is created with the first batch (or by ``open``)."""
+
+    def __init__(self, run_dir: Path | str, table: str, tag: str | None = None) -> None:
+        self.schema = TABLES[table]
+        stem = f"{table}-{shard_stem()}"
+        self.path = Path(run_dir) / (f"{stem}-{tag}.arrows" if tag else f"{stem}.arrows")
+        self._lock = threading.Lock()
+        self._fh = None
+        self._writer = None
+        self.rows = 0
+        self.closed = False
+
+    def open(self) -> None:
+        """Create the shard now (an empty stream is a valid, readable shard)."""
+        with self._lock:
+            self._open()
+
+    def _open(self) -> None:
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "ab")
+            self._writer = ipc.new_stream(self._fh, self.schema)
+            self._fh.flush()
+
+    def write(self, batch: pa.RecordBatch | None) -> int:
+        """Append one batch (cast to the table's schema); returns the rows written."""
+        if batch is None or batch.num_rows == 0:
+            return 0
+        if batch.schema != self.schema:
+            batch = batch.cast(self.schema)
+        with self._lock:
+            if self.closed:
+                return 0
+            self._open()
+            self._writer.write_batch(batch)
+            self._fh.flush()
+            self.rows += batch.num_rows
+        return batch.num_rows
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            if self._writer is not None:
+                self._writer.close()
+                self._fh.close()
+                self._writer = self._fh = None
+
+
+def write_proc_meta(run_dir: Path | str, meta: dict) -> Path:
+    """A load process's sidecar ``proc-<host>-<pid>.json`` (counts, stages, incomplete), read
+    by whoever finalizes the run."""
+    path = Path(run_dir) / f"proc-{shard_stem()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def read_proc_meta(run_dir: Path | str) -> list[dict]:
+    """The sidecars of every load process of a run (unreadable ones skipped)."""
+    out = []
+    for p in sorted(Path(run_dir).glob("proc-*.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+# --------------------------------------------------------------------------- reading tables
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema,
+             columns: Sequence[str] | None) -> pa.RecordBatch:
+    """``batch`` with the schema's types and ``columns`` (missing ones as nulls)."""
+    names = list(columns) if columns is not None else schema.names
+    arrays = []
+    for name in names:
+        typ = schema.field(name).type
+        i = batch.schema.get_field_index(name)
+        arrays.append(batch.column(i).cast(typ) if i >= 0 else pa.nulls(batch.num_rows, typ))
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([schema.field(n) for n in names]))
+
+
+def _shard_batches(run_dir: Path, table: str) -> Iterator[pa.RecordBatch]:
+    """Every complete batch of every ``<table>-*.arrows`` shard (a killed writer loses only
+    its unfinished batch)."""
+    for shard in sorted(run_dir.glob(f"{table}-*.arrows")):
+        try:
+            with open(shard, "rb") as fh:
+                reader = ipc.open_stream(fh)
+                while True:
+                    try:
+                        yield reader.read_next_batch()
+                    except StopIteration:
+                        break
+        except (pa.ArrowInvalid, OSError):
+            continue  # truncated mid-batch: keep what was read
+
+
+def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
+         batch_size: int = 65_536, parquet: bool = True,
+         shards: bool = True) -> Iterator[pa.RecordBatch]:
+    """The one reader of a run's tables: record batches of ``<table>.parquet`` (if compacted),
+    then of its live shards, each conformed to schema v1 (``columns`` only, missing columns of
+    older files as nulls)."""
     run_dir = Path(run_dir)
-    schema = TABLES[name]
-    parts = []
-    pfile = run_dir / f"{name}.parquet"
-    if pfile.exists():
-        parts.append(pq.read_table(pfile).cast(schema))
-    live = read_shards(run_dir, name)
-    if live.num_rows:
-        parts.append(live)
-    return pa.concat_tables(parts) if parts else schema.empty_table()
+    schema = TABLES[table]
+    if columns is not None:
+        unknown = [c for c in columns if c not in schema.names]
+        if unknown:
+            raise ValueError(f"{table} has no column(s) {unknown}")
+    pfile = run_dir / f"{table}.parquet"
+    if parquet and pfile.exists():
+        pf = pq.ParquetFile(pfile)
+        have = set(pf.schema_arrow.names)
+        read = [c for c in (columns or schema.names) if c in have]
+        for batch in pf.iter_batches(batch_size=batch_size, columns=read):
+            yield _conform(batch, schema, columns)
+    if shards:
+        for batch in _shard_batches(run_dir, table):
+            yield _conform(batch, schema, columns)
+
+
+def read_table(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
+               **kw) -> pa.Table:
+    """One table of a run (``scan`` gathered): parquet plus any live shards."""
+    schema = TABLES[table]
+    batches = list(scan(run_dir, table, columns, **kw))
+    if batches:
+        return pa.Table.from_batches(batches)
+    empty = schema.empty_table()
+    return empty.select(list(columns)) if columns is not None else empty
+
+
+def read_shards(run_dir: Path | str, table: str) -> pa.Table:
+    """The live shards of a table only (not its parquet)."""
+    return read_table(run_dir, table, parquet=False)
+
+
+def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
+    """Merge ``<table>-*.arrows`` shards (and an existing parquet) into ``<table>.parquet``."""
+    run_dir = Path(run_dir)
+    shard_files = sorted(run_dir.glob(f"{table}-*.arrows"))
+    if not shard_files:
+        return 0
+    t = read_table(run_dir, table)
+    tmp = run_dir / f"{table}.parquet.tmp"
+    pq.write_table(t, tmp, compression="zstd")
+    os.replace(tmp, run_dir / f"{table}.parquet")
+    if remove_shards:
+        for s in shard_files:
+            s.unlink(missing_ok=True)
+    return t.num_rows
+
+
+@dataclass
+class Results:
+    path: Path
+    meta: RunMeta
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> pa.Table:
+        return self.tables["requests"]
 
 
 def load_results(path: Path | str) -> Results:
