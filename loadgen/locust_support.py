@@ -636,7 +636,7 @@ def finalize(run_dir: Path, environment, expected_procs: int, ctx, wait_s: float
                                        "why": f"describe failed: {exc}"[:200]})
     # what each endpoint was actually sent (the reports compare hit ratios with this)
     try:
-        from kvbench.commands.run import describe_sent_requests
+        from kvbench.runs.finalize import describe_sent_requests
 
         meta["workloads_sent"] = describe_sent_requests(
             run_dir, built, cfg.endpoints if cfg is not None else ())
