@@ -17,6 +17,8 @@ COMMANDS = {
     "serve": "start a built-in reference endpoint (colocated, disaggregated, offloaded, routed)",
     "collect": "run the remote telemetry agent on a GPU host",
     "workloads": "describe or generate workloads and traces",
+    "locustfile": "print the path of an installed locustfile (locust -f \"$(kvbench locustfile "
+                  "longctx)\")",
     "plan": "print the cost model's comparisons (routers, offload, P/D crossover, Hogwild!)",
 }
 

@@ -3,7 +3,7 @@
     locust -f loadgen/longctx.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s
 """
 
-from kvbench.loadgen.locust_support import KVBenchUser
+from kvbench.loadgen.user import KVBenchUser
 
 
 class LongContractUser(KVBenchUser):

@@ -4,7 +4,7 @@
         --kvbench-pacing poisson --kvbench-rates 2,6 --kvbench-stage-duration 15
 """
 
-from kvbench.loadgen.locust_support import KVBenchUser
+from kvbench.loadgen.user import KVBenchUser
 
 
 class MixUser(KVBenchUser):

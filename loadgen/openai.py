@@ -240,19 +240,3 @@ class StreamState:
         self.tokens[:] = apportion([count(t) if t else 1 for t in texts], usage_n)
         self.completion_tokens_client = count("".join(texts))
 
-
-def auth_headers(headers: dict | None, key_env: str | None, who: str) -> dict:
-    """The endpoint's extra headers plus ``Authorization: Bearer`` from the environment
-    variable ``key_env`` (the key itself never reaches records, logs or reports)."""
-    out = dict(headers or {})
-    if key_env:
-        import os
-
-        key = os.environ.get(key_env)
-        if not key:
-            from kvbench.core.errors import UserError
-
-            raise UserError(f"{who}: environment variable {key_env} (its API key) is not set; "
-                            "export it before starting the load")
-        out["Authorization"] = f"Bearer {key}"
-    return out

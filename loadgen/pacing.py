@@ -1,5 +1,5 @@
 """Arrival pacing. Open loop: one dispatcher per process starts requests at scheduled times
-regardless of responses. Closed loop: Locust users, one session each (see locust_support).
+regardless of responses. Closed loop: Locust users, one session each (see user.py).
 
 Poisson means exponential gaps drawn one by one and never rescaled to fit a duration (a
 rescaled sequence is no longer a Poisson process). Gamma gaps have mean ``1/rate`` and the given

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from kvbench.core.schema import REQUESTS
-from kvbench.core.store import ShardWriter, read_proc_meta, worker_name, write_proc_meta
+from kvbench.core.store import ShardWriter, worker_name, write_proc_meta
 
 COLUMNS = tuple(REQUESTS.names)
 
@@ -123,25 +123,3 @@ class RecordSink:
                 "host": socket.gethostname(), "closed_ns": time.time_ns()}
         self.meta_path = write_proc_meta(self.run_dir, meta)
 
-
-def merge_proc_meta(metas: list[dict]) -> dict:
-    """Counts summed, stages merged by (endpoint, workload, index): earliest start, latest end."""
-    counts = {"requests_started": 0, "records_written": 0, "dropped_at_cap": 0}
-    stages: dict[tuple, dict] = {}
-    incomplete: list[dict] = []
-    for m in metas:
-        for k in counts:
-            counts[k] += int(m.get("counts", {}).get(k, 0))
-        for st in m.get("stages", []):
-            key = (st.get("endpoint"), st.get("workload"), st.get("index"))
-            cur = stages.get(key)
-            if cur is None:
-                stages[key] = dict(st)
-            else:
-                cur["t_start_ns"] = min(cur["t_start_ns"], st["t_start_ns"])
-                cur["t_end_ns"] = max(cur["t_end_ns"], st["t_end_ns"])
-        for item in m.get("incomplete", []):
-            if item not in incomplete:
-                incomplete.append(item)
-    merged = sorted(stages.values(), key=lambda s: (s["t_start_ns"], s.get("index", 0)))
-    return {"counts": counts, "stages": merged, "incomplete": incomplete}

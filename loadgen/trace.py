@@ -4,7 +4,7 @@
         --kvbench-config bench.toml --kvbench-workload mytrace --kvbench-pacing trace
 """
 
-from kvbench.loadgen.locust_support import KVBenchUser
+from kvbench.loadgen.user import KVBenchUser
 
 
 class TraceUser(KVBenchUser):

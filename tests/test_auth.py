@@ -3,7 +3,7 @@
 import pytest
 
 from kvbench.core.errors import UserError
-from kvbench.loadgen.openai import auth_headers
+from kvbench.runs.auth import auth_headers
 
 
 def test_key_from_environment(monkeypatch):
@@ -37,3 +37,25 @@ def test_credentials_in_config_headers_are_masked_in_the_resolved_config():
     assert vendor["headers"] == {"Authorization": "***", "x-route": "eu"}
     assert "sk-live" not in str(dumped)
     assert load_config(root / "bench.toml").public_dump()["gate"]["rules"][0]["class"] == "*"
+
+
+def test_job_file_holds_no_secret_and_the_child_gets_it_from_the_environment(tmp_path,
+                                                                              monkeypatch):
+    from kvbench.config import parse_config
+    from kvbench.runs.job import SECRET_HEADERS_ENV, Job, resolve
+
+    cfg = parse_config({
+        "endpoints": [{"name": "vendor", "kind": "openai", "url": "http://127.0.0.1:9",
+                       "model": "m", "api_key_env": "KVB_TEST_KEY",
+                       "headers": {"X-Api-Key": "sk-live", "x-route": "eu"}}],
+        "workloads": {"chat": {"kind": "chat", "requests": 3}},
+        "profiles": {"p": {"stages": [{"users": 1, "duration_s": 1}]}}})
+    job = resolve(cfg, workload="chat", endpoint="vendor", run_id="r", results_dir=tmp_path)
+    path = job.save(tmp_path / "job.json")
+    assert "sk-live" not in path.read_text() and "KVB_TEST_KEY" in path.read_text()
+    monkeypatch.setenv("KVB_TEST_KEY", "sk-key")
+    child = Job.load(path, environ={SECRET_HEADERS_ENV: job.secret_env()[SECRET_HEADERS_ENV]})
+    assert child.headers() == {"x-route": "eu", "X-Api-Key": "sk-live",
+                               "Authorization": "Bearer sk-key"}
+    assert Job.load(path, environ={}).headers() == {"x-route": "eu",
+                                                    "Authorization": "Bearer sk-key"}

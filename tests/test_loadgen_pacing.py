@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from kvbench.core import store
 from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, gaps_s, shard
-from kvbench.loadgen.sink import COLUMNS, RecordSink, merge_proc_meta, read_proc_meta
+from kvbench.core.store import read_proc_meta
+from kvbench.loadgen.sink import COLUMNS, RecordSink
+from kvbench.runs.finalize import merge_proc_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 

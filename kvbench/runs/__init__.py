@@ -1,2 +1,4 @@
-"""A run of the bench.toml matrix: the resolved job handed to each load process, the matrix,
-preflight checks, and finalize (the one writer of run.json)."""
+"""A run of the bench.toml matrix, below loadgen and above config: the resolved job handed to
+each load process (job), the matrix (matrix), checks before load (preflight), built-in endpoints
+(builtin), the Locust child per job (locust), telemetry, and finalize (the one writer of
+run.json)."""

@@ -1,0 +1,273 @@
+"""The load context: what one Locust process shares (target, record sink, workload, pacing),
+built from a resolved ``Job`` and kept on Locust's environment as ``environment.kvbench``, so
+users, hooks and the dispatcher work on any ``Environment``, in process or not."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from urllib.parse import urlsplit
+
+import gevent
+import gevent.lock
+from locust.runners import MasterRunner, WorkerRunner
+
+from kvbench.core.errors import UserError
+from kvbench.core.store import worker_name
+from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
+from kvbench.loadgen.openai import request_body, request_path
+from kvbench.loadgen.options import job_from_options
+from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, cycle_requests, shard
+from kvbench.loadgen.sink import COLUMNS, RecordSink
+from kvbench.runs.job import FOREVER_S, Job
+from kvbench.workloads.tokenizer import get_tokenizer
+
+log = logging.getLogger("kvbench.loadgen")
+
+_ROW = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", "request_id",
+        "session_id", "turn", "worker", "prompt_tokens", "prompt_tokens_client",
+        "shared_prefix_tokens", "max_tokens", "completion_tokens", "completion_tokens_client",
+        "cached_tokens", "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "chunk_offsets_ns",
+        "chunk_tokens", "e2e_ns", "status", "http_status", "error", "server_queue_ns",
+        "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
+        "server_replica", "server_region")
+assert _ROW == COLUMNS, "loadgen row order must follow kvbench.schema.REQUESTS"
+
+
+class LoadContext:
+    """Everything one load process shares: target, records, workload, pacing."""
+
+    def __init__(self, environment, job: Job, workload=None) -> None:
+        self.environment = environment
+        self.job = job
+        self.worker = worker_name()
+        ep = job.endpoint
+        self.url = ep.url.rstrip("/")
+        self.target = Target.parse(self.url)
+        self.endpoint = ep.name or urlsplit(self.url).netloc
+        self.topology = ep.topology
+        self.model = ep.model
+        self.headers = job.headers()
+        self.tokenizer = get_tokenizer(job.tokenizer)  # sizes multi-token chunks too
+        self.workload = workload if workload is not None else job.build_workload(self.tokenizer)
+        self.workload_name = getattr(self.workload, "name", job.workload)
+        self.pacing = job.pacing
+        self.stages = [StagePlan(s.index, s.duration_s, s.rate_rps, s.users)
+                       for s in job.stages]
+        self.stage_index = job.stage_index
+        self.cv = job.gamma_cv
+        self.max_in_flight = job.max_in_flight
+        self.timeout_s = job.timeout_s
+        self.warm = job.warm_connections
+        self.ignore_eos = job.ignore_eos
+        self.run_id = job.run_id
+        self.run_dir = job.run_dir
+        self.sink = RecordSink(self.run_dir)
+        self.sink.start()
+        runner = environment.runner
+        o = environment.parsed_options
+        workers = getattr(o, "kvbench_workers", 0) or 1
+        self.index = runner.worker_index if isinstance(runner, WorkerRunner) else 0
+        self.count = max(1, workers) if isinstance(runner, WorkerRunner) else 1
+        self.index = max(0, self.index) % self.count
+        self._sessions = self._session_iter()
+        self.dispatcher: OpenLoopDispatcher | None = None
+        self.t_start_ns = time.time_ns()
+
+    def _session_iter(self):
+        """This worker's share of the sessions, cycled; later passes get ``#pass`` ids."""
+        for n in itertools.count():
+            empty = True
+            for s in shard(self.workload.sessions(), self.index, self.count):
+                empty = False
+                yield s if n == 0 else _Renamed(s, n)
+            if empty:
+                return
+
+    def next_session(self):
+        return next(self._sessions, None)
+
+    def new_client(self, pool: ConnectionPool | None = None) -> StreamingClient:
+        pool = pool or ConnectionPool(self.target, read_timeout_s=self.timeout_s,
+                                      cold=not self.warm)
+        return StreamingClient(pool, headers=self.headers, deadline_s=self.timeout_s,
+                               tokenizer=self.tokenizer)
+
+    # -- the request
+    def send(self, client: StreamingClient, req, t_scheduled_ns: int | None, stage: int,
+             keep_text: bool = False) -> Result:
+        """Send ``req``, record it whatever happens (cancelled included), report to Locust."""
+        body = request_body(req, self.model, ignore_eos=self.ignore_eos)
+        res = Result()
+        self.sink.begin()
+        try:
+            client.post_stream(request_path(req), body, keep_text=keep_text, res=res)
+        finally:
+            if res.t_sent_ns == 0:
+                res.t_sent_ns = time.time_ns()
+            self.record(req, res, t_scheduled_ns, stage)
+        self.report(req, res)
+        return res
+
+    def record(self, req, res: Result, t_scheduled_ns: int | None, stage: int) -> None:
+        self.sink.append((
+            self.run_id, self.endpoint, self.topology, self.workload_name, req.request_class,
+            stage, req.request_id, req.session_id, req.turn, self.worker,
+            res.prompt_tokens, req.prompt_tokens, req.shared_prefix_tokens, req.max_tokens,
+            res.completion_tokens, res.completion_tokens_client, res.cached_tokens,
+            t_scheduled_ns if t_scheduled_ns is not None else res.t_sent_ns, res.t_sent_ns,
+            res.connect_ns, res.ttft_ns, res.offsets_ns, res.tokens, res.e2e_ns, res.status,
+            res.http_status, res.error, res.server_queue_ns, res.server_prefill_ns,
+            res.server_kv_transfer_ns, res.server_first_decode_ns, res.server_replica,
+            res.server_region))
+
+    def report(self, req, res: Result) -> None:
+        """Locust's live stats: one event per metric per request (never per token)."""
+        fire = self.environment.events.request.fire
+        cls = req.request_class
+        n = res.completion_tokens or 0
+        if res.status != "ok":
+            fire(request_type="LLM", name=f"e2e {cls}", response_time=(res.e2e_ns or 0) / 1e6,
+                 response_length=n, exception=RuntimeError(f"{res.status}: {res.error}"),
+                 context={})
+            return
+        fire(request_type="LLM", name=f"e2e {cls}", response_time=res.e2e_ns / 1e6,
+             response_length=n, exception=None, context={})
+        if res.ttft_ns is not None:
+            fire(request_type="LLM", name=f"ttft {cls}", response_time=res.ttft_ns / 1e6,
+                 response_length=0, exception=None, context={})
+        if n > 1 and res.ttft_ns is not None:
+            fire(request_type="LLM", name=f"tpot {cls}",
+                 response_time=(res.e2e_ns - res.ttft_ns) / (n - 1) / 1e6,
+                 response_length=0, exception=None, context={})
+
+    # -- open loop
+    def run_dispatcher(self) -> None:
+        requests = (iter(self.workload.requests()) if self.pacing == "trace" else
+                    cycle_requests(self.workload.requests, self.index, self.count))
+        if self.pacing == "trace" and self.count > 1:
+            requests = shard(requests, self.index, self.count)
+        pool = ConnectionPool(self.target, read_timeout_s=self.timeout_s, cold=not self.warm)
+        client = self.new_client(pool)
+        if self.warm:
+            peak = max((s.rate_rps or 0) for s in self.stages) / self.count
+            pool.warm(min(self.max_in_flight, 64, max(2, int(peak * 2))))
+
+        def send(req, t_sched, stage):
+            self.send(client, req, t_sched, stage)
+
+        def on_stage(st: StagePlan, t0: int, t1: int) -> None:
+            self.add_stage(st, t0, t1)
+
+        seed = self.job.seed * 1000 + self.index
+        stages = self.stages
+        run_time = getattr(self.environment.parsed_options, "run_time", None)
+        if self.pacing == "trace" and stages[0].duration_s >= FOREVER_S and not run_time:
+            stages = [replace(stages[0], duration_s=FOREVER_S)]
+        self.dispatcher = d = OpenLoopDispatcher(
+            send, requests, stages, pacing=self.pacing, cv=self.cv,
+            max_in_flight=self.max_in_flight, seed=seed, share=1.0 / self.count,
+            on_stage=on_stage)
+        d.run()
+        d.wait_idle(self.timeout_s)
+        pool.close()
+
+    def add_stage(self, st: StagePlan, t0_ns: int, t1_ns: int) -> None:
+        self.sink.meta["stages"].append({
+            "endpoint": self.endpoint, "workload": self.workload_name,
+            "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
+            "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
+            "t_start_ns": t0_ns, "t_end_ns": t1_ns})
+
+    def close(self) -> None:
+        """Cancel what is still running (each request records itself), then close the shard."""
+        runner = self.environment.runner
+        if runner is not None and not isinstance(runner, MasterRunner):
+            try:
+                runner.stop()  # SIGTERM path: users may still be running
+            except Exception:  # noqa: BLE001 - stopping twice is harmless
+                pass
+        d = self.dispatcher
+        if d is not None:
+            d.cancel()
+        if runner is not None:
+            runner.user_greenlets.join(timeout=5)
+        self.sink.meta["endpoint"] = self.job.endpoint.record()
+        self.sink.meta["workload"] = self.workload_name
+        if d is not None:
+            self.sink.meta["counts"]["dropped_at_cap"] = d.dropped_at_cap
+            if d.dropped_at_cap:
+                self.sink.meta["incomplete"].append({
+                    "what": f"{d.dropped_at_cap} arrivals on {self.endpoint}/{self.workload_name}",
+                    "why": f"dropped at the cap of {self.max_in_flight} requests in flight"})
+        elif self.pacing == "closed":
+            i = self.stage_index
+            planned = self.stages[i].users if i < len(self.stages) else None
+            users = planned or getattr(self.environment.parsed_options, "num_users", None)
+            self.add_stage(StagePlan(i, 0.0, None, users), self.t_start_ns, time.time_ns())
+            st = self.sink.meta["stages"][-1]
+            st["duration_s"] = (st["t_end_ns"] - st["t_start_ns"]) / 1e9
+        self.sink.close()
+
+
+class _Renamed:
+    """A later pass over a session: same turns, ids suffixed ``#pass``."""
+
+    def __init__(self, session, n: int) -> None:
+        self._s, self._n = session, n
+        self.session_id = f"{session.session_id}#{n}"
+
+    def next_request(self):
+        req = self._s.next_request()
+        if req is None:
+            return None
+        return replace(req, request_id=f"{req.request_id}#{self._n}",
+                       session_id=self.session_id)
+
+    def feed_response(self, text: str) -> None:
+        self._s.feed_response(text)
+
+
+# --------------------------------------------------------------------------- on the environment
+
+def get_context(environment, user_cls=None) -> LoadContext:
+    """``environment.kvbench``, built once from the environment's options (users start
+    concurrently: the first builds it, the others wait; a failure is kept and raised again)."""
+    ctx = getattr(environment, "kvbench", None)
+    if ctx is not None:
+        return ctx
+    lock = environment.__dict__.setdefault("kvbench_lock", gevent.lock.RLock())
+    with lock:
+        err = getattr(environment, "kvbench_error", None)
+        if err is not None:
+            raise err
+        if getattr(environment, "kvbench", None) is None:
+            try:
+                host = environment.host or getattr(user_cls, "host", None)
+                job = job_from_options(environment.parsed_options, host,
+                                       getattr(user_cls, "workload", ""))
+                environment.kvbench = LoadContext(environment, job)
+            except UserError as exc:
+                environment.kvbench_error = exc
+                raise
+    return environment.kvbench
+
+
+def fail(environment, exc: UserError) -> None:
+    """Report a kvbench error once, set the exit code and end this process soon."""
+    if getattr(environment, "kvbench_reported", False):
+        return
+    environment.kvbench_reported = True
+    log.error("kvbench: error: %s", exc)
+    environment.process_exit_code = 2
+    quit_soon(environment, 0.1)
+
+
+def quit_soon(environment, delay_s: float = 0.05) -> None:
+    """The ladder is over: stop this process (a worker's quit ends the master's run once all
+    workers are done), from a separate greenlet so no user kills itself."""
+    runner = environment.runner
+    if runner is not None and not isinstance(runner, MasterRunner):
+        gevent.spawn_later(delay_s, runner.quit)

@@ -1,0 +1,61 @@
+"""The Locust User behind every locustfile. Closed loop: each user runs one session at a time.
+Open loop: the process's first user runs the dispatcher."""
+
+from __future__ import annotations
+
+import gevent
+from locust import User, task
+from locust.exception import StopUser
+
+from kvbench.core.errors import UserError
+from kvbench.loadgen import hooks  # noqa: F401 - registers the event listeners
+from kvbench.loadgen.context import fail, get_context, quit_soon
+
+
+class KVBenchUser(User):
+    """Closed loop: each user runs one session at a time (think times between turns, turn k+1
+    built from turn k's response). Open loop: the process's first user runs the dispatcher;
+    more users add nothing (use one user per process)."""
+
+    abstract = True
+    kvbench_user = True  # the hooks act for these classes only
+    workload = "chat"  # [workloads.<name>] of the config, or the kind with its defaults
+
+    def wait_time(self):
+        return 0
+
+    def on_start(self) -> None:
+        try:
+            self.ctx = get_context(self.environment, type(self))
+        except UserError as exc:
+            fail(self.environment, exc)
+            raise StopUser() from None
+        self.stage = self.ctx.stage_index
+        if self.ctx.pacing == "closed":
+            self.llm = self.ctx.new_client()
+            if self.ctx.warm:
+                self.llm.pool.warm(1)
+
+    @task
+    def drive(self) -> None:
+        ctx = self.ctx
+        if ctx.pacing != "closed":
+            if ctx.dispatcher is None:
+                ctx.run_dispatcher()
+                quit_soon(self.environment)
+            gevent.sleep(3600)
+            return
+        session = ctx.next_session()
+        if session is None:
+            gevent.sleep(1.0)
+            return
+        while True:
+            req = session.next_request()
+            if req is None:
+                return
+            if req.think_time_s > 0 and req.turn > 0:
+                gevent.sleep(req.think_time_s)
+            res = ctx.send(self.llm, req, None, self.stage, keep_text=True)
+            if res.status != "ok":
+                return  # a broken session cannot build its next turn on a failed response
+            session.feed_response(res.text)

@@ -1,0 +1,96 @@
+"""Finalize without Locust: shards already written plus the job (or given metadata) make one
+run.json; KV geometry comes through the engine adapters; sidecars are merged."""
+
+import json
+
+import pyarrow as pa
+
+from kvbench.config import parse_config
+from kvbench.core import store
+from kvbench.core.schema import ENGINE, REQUESTS
+from kvbench.runs import finalize as F
+from kvbench.runs.job import resolve
+
+CONFIG = {
+    "suite": {"name": "fin"},
+    "endpoints": [{"name": "e1", "kind": "openai", "url": "http://127.0.0.1:9", "model": "m",
+                   "topology": "colocated"}],
+    "workloads": {"chat": {"kind": "chat", "requests": 6}},
+    "profiles": {"p": {"pacing": "closed", "stages": [{"users": 1, "duration_s": 1}]}},
+}
+
+
+def requests_batch(n: int) -> pa.RecordBatch:
+    cols = {f.name: pa.nulls(n, f.type) for f in REQUESTS}
+    cols.update({"endpoint": pa.array(["e1"] * n), "workload": pa.array(["chat"] * n),
+                 "request_id": pa.array([f"chat-{i}" for i in range(n)]),
+                 "t_sent": pa.array(range(1, n + 1), pa.int64()),
+                 "status": pa.array(["ok"] * n), "ttft_ns": pa.array([5] * n, pa.int64())})
+    return pa.RecordBatch.from_pydict(cols, schema=REQUESTS)
+
+
+def write_shards(run_dir, n=4, labels=(("block_size", "16"), ("num_gpu_blocks", "100"))):
+    w = store.ShardWriter(run_dir, "requests")
+    w.write(requests_batch(n))
+    w.close()
+    e = store.ShardWriter(run_dir, "engine")
+    e.write(pa.RecordBatch.from_pydict({
+        "t_ns": [1, 1], "endpoint": ["e1", "e1"],
+        "metric": ["vllm:cache_config_info", "vllm:num_requests_running"],
+        "labels": [list(labels), []], "value": [1.0, 0.0]}, schema=ENGINE))
+    e.close()
+    store.write_proc_meta(run_dir, {
+        "counts": {"requests_started": n, "records_written": n, "dropped_at_cap": 0},
+        "stages": [{"endpoint": "e1", "workload": "chat", "index": 0, "t_start_ns": 1,
+                    "t_end_ns": 9}], "incomplete": [], "host": "h1"})
+
+
+def test_finalize_a_job_from_written_shards(tmp_path):
+    cfg = parse_config(CONFIG)
+    job = resolve(cfg, workload="chat", endpoint="e1", profile="p", run_id="r1",
+                  results_dir=tmp_path)
+    write_shards(job.run_dir)
+    meta = F.finalize(job.run_dir, [job], workloads={"chat": job.build_workload()},
+                      started_ns=1)
+    assert meta == store.read_meta(job.run_dir)
+    assert meta.run_id == "r1" and meta.suite == "fin" and meta.hosts == ["h1"]
+    assert meta.counts["records_written"] == 4 and not meta.incomplete
+    assert meta.endpoints == [job.endpoint.record()]
+    assert meta.config == cfg.public_dump() and meta.workloads["chat"]["requests"] == 6
+    assert meta.workloads_sent["e1"]["chat"]
+    assert meta.git_commit == F.source_commit() and meta.git_commit  # tests run in a checkout
+    assert not list(job.run_dir.glob("*.arrows"))  # every table compacted
+
+
+def test_kv_geometry_through_the_engine_adapter(tmp_path):
+    write_shards(tmp_path)
+    assert F.endpoint_caches(tmp_path) == {"e1": {"block_tokens": 16,
+                                                  "capacity_tokens": 1600}}
+    other = tmp_path / "bad"
+    write_shards(other, labels=(("block_size", "x"),))
+    assert F.endpoint_caches(other) == {}
+
+
+def test_given_metadata_wins_and_missing_sidecars_are_noted(tmp_path):
+    write_shards(tmp_path)
+    stages = [{"endpoint": "e1", "workload": "chat", "index": 0, "t_start_ns": 5,
+               "t_end_ns": 6}]
+    meta = F.finalize(tmp_path, meta={"run_id": "syn", "suite": "synthetic", "stages": stages},
+                      expected_procs=2)
+    assert meta.run_id == "syn" and meta.stages == stages
+    assert meta.endpoints == []  # the sidecar recorded no endpoint
+    assert any("1 load process" in i["what"] for i in meta.incomplete)
+    assert json.loads((tmp_path / "run.json").read_text())["suite"] == "synthetic"
+
+
+def test_merge_proc_meta_sums_counts_and_spans_stages():
+    a = {"counts": {"requests_started": 2, "records_written": 2},
+         "stages": [{"endpoint": "e", "workload": "w", "index": 0, "t_start_ns": 5,
+                     "t_end_ns": 9}], "incomplete": [{"what": "x", "why": "y"}]}
+    b = {"counts": {"requests_started": 3, "records_written": 1, "dropped_at_cap": 4},
+         "stages": [{"endpoint": "e", "workload": "w", "index": 0, "t_start_ns": 3,
+                     "t_end_ns": 7}], "incomplete": [{"what": "x", "why": "y"}]}
+    m = F.merge_proc_meta([a, b])
+    assert m["counts"] == {"requests_started": 5, "records_written": 3, "dropped_at_cap": 4}
+    assert [(s["t_start_ns"], s["t_end_ns"]) for s in m["stages"]] == [(3, 9)]
+    assert m["incomplete"] == [{"what": "x", "why": "y"}]
