@@ -11,16 +11,13 @@ import time
 from pathlib import Path
 
 from kvbench.workloads.registry import build_spec
-from kvbench.workloads.specs import (
-    AgentSpec,
-    ChatSpec,
-    HogwildSpec,
-    LongctxSpec,
-    RagSpec,
-    TraceSpec,
-)
+from kvbench.workloads.agent import AgentSpec
+from kvbench.workloads.chat import ChatSpec
+from kvbench.workloads.hogwild import HogwildSpec
+from kvbench.workloads.longctx import LongctxSpec
+from kvbench.workloads.rag import RagSpec
 from kvbench.workloads.tokenizer import get_tokenizer
-from kvbench.workloads.traces import traces_dir
+from kvbench.workloads.traces import TraceSpec, traces_dir
 
 SPECS = {  # the specs' defaults, with enough requests to time
     "chat": ChatSpec(requests=200_000),

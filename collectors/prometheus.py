@@ -2,7 +2,9 @@
 the DCGM exporter) into raw ``engine`` rows, and maps DCGM GPU series into ``gpu`` rows.
 
 Counters are stored raw; rates are the reports' job. Parsing uses prometheus_client's
-maintained text parser.
+maintained text parser. Which engine family a ``/metrics`` page belongs to, and what its names
+mean, is the engine adapters' knowledge (``kvbench.engines``); nothing here spells an engine's
+metric name.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import urllib.request
 from typing import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbench.collectors.roles import role_for
 from kvbench.collectors.sink import Columns
 from kvbench.core.schema import ENGINE, GPU
+from kvbench.engines import EngineAdapter, detect, get
 
 MIB = 1024 * 1024
 
@@ -101,14 +105,18 @@ def _log_stderr(msg: str) -> None:
 
 class PrometheusScraper:
     """Scrapes one ``/metrics`` URL every ``interval_s`` in a daemon thread (blocking urllib,
-    short timeout); a failed scrape is counted with its last error, never raised."""
+    short timeout); a failed scrape is counted with its last error, never raised.
+
+    ``engine`` names the endpoint's engine family (an adapter name); None or "auto": detected
+    from the metric names of the scrapes until one is recognised."""
 
     def __init__(self, endpoint: str, url: str, *, interval_s: float = 1.0,
                  engine_emit: Callable[[pa.RecordBatch], None],
                  gpu_emit: Callable[[pa.RecordBatch], None] | None = None, roles=(),
                  timeout_s: float | None = None, headers: dict | None = None,
-                 log: Callable[[str], None] = _log_stderr):
+                 log: Callable[[str], None] = _log_stderr, engine: str | None = None):
         self.endpoint = endpoint
+        self.adapter: EngineAdapter | None = None if engine in (None, "auto") else get(engine)
         self.url = url
         self.interval_s = float(interval_s)
         self.timeout_s = timeout_s if timeout_s is not None else max(0.5, min(3.0, interval_s))
@@ -171,6 +179,8 @@ class PrometheusScraper:
                 self.log(f"kvbench: scrape of {self.url} ({self.endpoint}) failed: "
                          f"{self.last_error}; will keep trying")
             return False
+        if self.adapter is None and engine.num_rows:
+            self.adapter = detect(pc.unique(engine.column("metric")).to_pylist())
         self.engine_rows += engine.num_rows
         self.engine_emit(engine)
         if gpu is not None and self.gpu_emit is not None:
@@ -182,6 +192,9 @@ class PrometheusScraper:
         ok = self.scrapes - self.failures
         out = {f"engine:{self.endpoint}": "ok" if ok else
                f"no successful scrape of {self.url} ({self.last_error or 'never scraped'})"}
+        if self.adapter is not None or ok:  # an adapter name, for the reports to look up
+            out[f"engine_family:{self.endpoint}"] = \
+                self.adapter.name if self.adapter is not None else "unknown"
         if self.gpu_rows:
             out[f"dcgm:{self.endpoint}"] = "ok"
         return out

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-ROLES = ("prefill", "decode", "colocated", "cache")
+from kvbench.collectors.spec import ROLES
+
+__all__ = ["ROLES", "role_for"]
 
 
 def role_for(roles, host: str | None, gpu: int | None) -> str:

@@ -100,8 +100,9 @@ class CollectorHandle:
 def start_collectors(run_dir: Path, cfg, endpoints: list[dict], *, nvml=None,
                      log: Callable[[str], None] = _log_stderr) -> CollectorHandle:
     """Starts the collectors of ``cfg`` (a ``kvbench.config.CollectConfig``) for ``endpoints``
-    (dicts with name, url, metrics_url, topology) and returns at once; NVML opens in the
-    sampler's own thread. ``nvml`` injects a pynvml-like module (tests)."""
+    (dicts with name, url, metrics_url, topology, and optionally engine: an adapter name or
+    "auto") and returns at once; NVML opens in the sampler's own thread. ``nvml`` injects a
+    pynvml-like module (tests)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     gpu_sink = ShardSink(run_dir, "gpu")
@@ -122,7 +123,7 @@ def start_collectors(run_dir: Path, cfg, endpoints: list[dict], *, nvml=None,
         scrapers.append(PrometheusScraper(
             ep.get("name") or url, url, interval_s=cfg.scrape_interval_s,
             engine_emit=engine_sink.write, gpu_emit=gpu_sink.write, roles=cfg.roles,
-            headers=ep.get("metrics_headers"), log=log).start())
+            headers=ep.get("metrics_headers"), log=log, engine=ep.get("engine")).start())
     pullers = []
     token = token_from_env(cfg.agent_token_env)
     for url in cfg.agents:

@@ -56,6 +56,7 @@ def test_builtin_disaggregated_endpoint_metrics_land_in_results(tmp_path):
         proc.wait(15)
     tel = out["telemetry"]
     assert tel["engine:disagg"] == "ok" and tel["dcgm:disagg"] == "ok"
+    assert tel["engine_family:disagg"] == "builtin"  # vLLM's names plus the emulator's own
     assert tel["nvml"].startswith("no NVML library") and out["incomplete"] == []
     store.write_run_json(tmp_path, store.RunMeta.from_dict({"run_id": "e2e", **out}))
     res = store.load_results(tmp_path)

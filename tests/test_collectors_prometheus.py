@@ -123,12 +123,24 @@ def test_scraper_against_server_counts_failures_and_keeps_going():
     assert [v for _, v in sorted(hits)] == sorted(v for _, v in hits)
     g = pa.Table.from_batches(gpus, schema=GPU)
     assert g.num_rows == 2 * good.scrapes and set(g.column("source").to_pylist()) == {"dcgm"}
-    assert good.telemetry() == {"engine:ep": "ok", "dcgm:ep": "ok"}
+    assert good.telemetry() == {"engine:ep": "ok", "engine_family:ep": "vllm", "dcgm:ep": "ok"}
     assert bad.failures == bad.scrapes >= 4 and "500" in bad.last_error
     assert junk.failures == junk.scrapes and junk.last_error.startswith("ValueError")
     assert bad.telemetry()["engine:bad"].startswith("no successful scrape of")
+    assert "engine_family:bad" not in bad.telemetry()  # nothing scraped, nothing to tell
     assert bad.incomplete()[0]["why"].startswith(f"{bad.failures} of {bad.scrapes}")
     assert len([m for m in logs if "bad" in m]) == 1  # one message, not one per scrape
+
+
+def test_configured_engine_family_wins_over_detection():
+    with MetricsServer() as srv:
+        auto = PrometheusScraper("a", srv.url + "/metrics", engine_emit=lambda b: None,
+                                 engine="auto")
+        told = PrometheusScraper("t", srv.url + "/metrics", engine_emit=lambda b: None,
+                                 engine="sglang")
+        assert auto.scrape_once() and told.scrape_once()
+    assert auto.telemetry()["engine_family:a"] == "vllm"  # most of the page's names
+    assert told.telemetry()["engine_family:t"] == "sglang"
 
 
 def test_scraper_unreachable_endpoint_times_out_quickly():

@@ -49,6 +49,7 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     assert tel["nvml"] == "ok" and tel["engine:emu"] == "ok" and tel["dcgm:emu"] == "ok"
     assert tel[f"agent:{agent.url}"] == "ok"
     assert tel["engine:dead"].startswith("no successful scrape of http://127.0.0.1:9/metrics")
+    assert tel["engine_family:emu"] == "vllm" and "engine_family:dead" not in tel
     assert [i["what"] for i in out["incomplete"]] == ["scrape of http://127.0.0.1:9/metrics (dead)"]
     (host, off), = out["clock_offsets_ns"].items()
     assert abs(off - 3_000_000_000) < 50_000_000

@@ -62,3 +62,26 @@ def test_cli_reports_error_without_traceback(tmp_path):
                            "--config", str(p)], capture_output=True, text=True)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
+
+
+def test_openai_endpoint_engine_family(tmp_path):
+    ep = ("[[endpoints]]\nname = \"mine\"\nkind = \"openai\"\nurl = \"http://127.0.0.1:8000\"\n"
+          "max_context_tokens = 131072\n")
+    cfg = load_config(_write(tmp_path, ep))
+    assert cfg.endpoint("mine").engine == "auto"  # detected from /metrics
+    assert load_config(_write(tmp_path, ep + "engine = \"llamacpp\"\n")).endpoint(
+        "mine").engine == "llamacpp"
+    p = _write(tmp_path, ep + "engine = \"vllmm\"\n")
+    with pytest.raises(UserError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: field endpoints[3].engine: engine 'vllmm' is not a known")
+    assert "\"auto\"" in msg and "llamacpp" in msg and msg.count("\n") == 0
+
+
+def test_trace_path_is_relative_to_the_config(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"timestamp": 0, "input_length": 10, '
+                                      '"output_length": 5, "hash_ids": [1]}\n')
+    cfg = load_config(_write(tmp_path, "[workloads.tr]\nkind = \"trace\"\nformat = \"mooncake\"\n"
+                                       "path = \"t.jsonl\"\n"))
+    assert cfg.workloads["tr"].path == str(tmp_path / "t.jsonl")

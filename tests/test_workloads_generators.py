@@ -14,14 +14,12 @@ from kvbench.config import load_config, parse_config
 from kvbench.workloads.common import flatten, sample
 from kvbench.workloads.prompt import Assembler, Piece, concat_count
 from kvbench.workloads.registry import build_spec, make_workload
-from kvbench.workloads.specs import (
-    AgentSpec,
-    ChatSpec,
-    HogwildSpec,
-    LengthDist,
-    LongctxSpec,
-    RagSpec,
-)
+from kvbench.workloads.agent import AgentSpec
+from kvbench.workloads.chat import ChatSpec
+from kvbench.workloads.hogwild import HogwildSpec
+from kvbench.workloads.longctx import LongctxSpec
+from kvbench.workloads.rag import RagSpec
+from kvbench.workloads.specs import LengthDist
 from kvbench.workloads.tokenizer import get_tokenizer
 
 TOK = get_tokenizer()

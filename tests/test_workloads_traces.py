@@ -12,9 +12,8 @@ from hypothesis import given, settings, strategies as st
 from kvbench.core.errors import UserError
 from kvbench.workloads.describe import describe
 from kvbench.workloads.registry import build_spec
-from kvbench.workloads.specs import TraceSpec
 from kvbench.workloads.tokenizer import get_tokenizer
-from kvbench.workloads.traces import guess_format
+from kvbench.workloads.traces import TraceSpec, guess_format
 from kvbench.workloads.traces.azure import parse_timestamp
 from kvbench.workloads.traces.lmcache_agent import common_prefix_len
 

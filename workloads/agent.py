@@ -9,10 +9,33 @@ was never fed (the request failed) continues with an empty response.
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
 from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
-from kvbench.workloads.specs import AgentSpec
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec, LengthDist
+
+
+class AgentSpec(KindSpec):
+    kind: Literal["agent"] = "agent"
+    sessions: int = Field(default=16, gt=0)
+    turns: int = Field(default=6, gt=0)
+    system_prompt_tokens: int = Field(default=512, ge=0)
+    tool_schema_tokens: int = Field(default=1024, ge=0)
+    task_tokens: LengthDist = LengthDist(dist="lognormal", mean=96, sigma=0.5, min=16, max=512)
+    tool_result_tokens: LengthDist = LengthDist(dist="lognormal", mean=384, sigma=0.7, min=16,
+                                                max=4096)
+    output_tokens: LengthDist = LengthDist(dist="lognormal", mean=96, sigma=0.5, min=8, max=512)
+    think_time_s: LengthDist = LengthDist(dist="uniform", mean=0.5, min=0.1, max=1.0)
+
+    sizable: ClassVar[bool] = True
+
+    def max_output_upper(self) -> float:
+        return self.output_tokens.upper
 
 
 class AgentSession:
@@ -107,3 +130,10 @@ class AgentWorkload(GeneratedWorkload):
         for i in range(self.n_sessions):
             last = i == self.n_sessions - 1
             yield AgentSession(self, i, self.last_turns if last else None)
+
+
+def _build(name: str, spec: AgentSpec, ctx: BuildContext) -> AgentWorkload:
+    return AgentWorkload(name, spec, ctx.tokenizer, ctx.seed, ctx.n_requests)
+
+
+register(spec=AgentSpec, build=_build, request_class=AgentWorkload.request_class)

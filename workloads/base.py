@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
-REQUEST_CLASSES = ("rag", "agent", "longctx", "chat", "trace", "hogwild")
-
-
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request to send. Exactly one of ``prompt`` (completions) or ``messages`` (chat)."""

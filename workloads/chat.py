@@ -7,12 +7,30 @@ unrelated prompts share only the template's opening tokens.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Literal
+
+from pydantic import Field
 
 from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
-from kvbench.workloads.specs import ChatSpec
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec, LengthDist
+
+
+class ChatSpec(KindSpec):
+    kind: Literal["chat"] = "chat"
+    requests: int = Field(default=200, gt=0)
+    prompt_tokens: LengthDist = LengthDist(dist="lognormal", mean=180, sigma=0.8, min=8,
+                                           max=4096)
+    output_tokens: LengthDist = LengthDist(dist="lognormal", mean=200, sigma=0.7, min=8,
+                                           max=1024)
+
+    def max_prompt_upper(self) -> float:
+        return self.prompt_tokens.upper
+
+    def max_output_upper(self) -> float:
+        return self.output_tokens.upper
 
 
 class ChatWorkload(GeneratedWorkload):
@@ -44,3 +62,10 @@ class ChatWorkload(GeneratedWorkload):
 
     def requests(self):
         return self.build_requests()
+
+
+def _build(name: str, spec: ChatSpec, ctx: BuildContext) -> ChatWorkload:
+    return ChatWorkload(name, spec, ctx.tokenizer, ctx.seed, ctx.n_requests)
+
+
+register(spec=ChatSpec, build=_build, request_class=ChatWorkload.request_class)

@@ -9,10 +9,28 @@ one process; ``requests()`` sends a round of every worker, then appends the roun
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import Field
+
 from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
-from kvbench.workloads.specs import HogwildSpec
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec, LengthDist, const
+
+
+class HogwildSpec(KindSpec):
+    kind: Literal["hogwild"] = "hogwild"
+    tasks: int = Field(default=2, gt=0)
+    workers: int = Field(default=4, gt=0)
+    steps_per_worker: int = Field(default=4, gt=0)
+    task_tokens: LengthDist = const(512)
+    step_output_tokens: LengthDist = LengthDist(dist="lognormal", mean=64, sigma=0.3, min=8,
+                                                max=256)
+
+    def max_output_upper(self) -> float:
+        return self.step_output_tokens.upper
 
 
 class _Task:
@@ -90,3 +108,10 @@ class HogwildWorkload(GeneratedWorkload):
                     return
                 left -= steps
                 yield HogwildSession(self, task, w, steps)
+
+
+def _build(name: str, spec: HogwildSpec, ctx: BuildContext) -> HogwildWorkload:
+    return HogwildWorkload(name, spec, ctx.tokenizer, ctx.seed, ctx.n_requests)
+
+
+register(spec=HogwildSpec, build=_build, request_class=HogwildWorkload.request_class)

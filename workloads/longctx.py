@@ -8,13 +8,36 @@ long-document QA benchmark does, so that a cache smaller than all contracts evic
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
 import numpy as np
+from pydantic import Field
 
 from kvbench.core.errors import UserError
 from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
-from kvbench.workloads.specs import LongctxSpec
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec, LengthDist
+
+
+class LongctxSpec(KindSpec):
+    kind: Literal["longctx"] = "longctx"
+    contracts: int = Field(default=4, gt=0)
+    contract_tokens: LengthDist = LengthDist(dist="uniform", mean=32768, min=16384, max=32768)
+    questions_per_contract: int = Field(default=4, gt=0)
+    question_tokens: LengthDist = LengthDist(dist="lognormal", mean=32, sigma=0.3, min=8, max=128)
+    output_tokens: LengthDist = LengthDist(dist="lognormal", mean=96, sigma=0.4, min=8, max=512)
+    order: Literal["interleave", "tile"] = "interleave"
+    think_time_s: LengthDist = LengthDist(dist="uniform", mean=0.2, min=0.0, max=0.5)
+
+    sizable: ClassVar[bool] = True
+
+    def max_prompt_upper(self) -> float:
+        return self.contract_tokens.upper + self.question_tokens.upper
+
+    def max_output_upper(self) -> float:
+        return self.output_tokens.upper
 
 
 class ContractSession:
@@ -100,3 +123,10 @@ class LongctxWorkload(GeneratedWorkload):
 
     def unique_contract_tokens(self) -> int:
         return int(np.sum([self.contract_tokens(i) for i in range(self.n_contracts)]))
+
+
+def _build(name: str, spec: LongctxSpec, ctx: BuildContext) -> LongctxWorkload:
+    return LongctxWorkload(name, spec, ctx.tokenizer, ctx.seed, ctx.n_requests)
+
+
+register(spec=LongctxSpec, build=_build, request_class=LongctxWorkload.request_class)

@@ -9,13 +9,47 @@ its first request comes up. A request keeps its component's ``workload`` name.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Literal, Mapping
 
 import numpy as np
+from pydantic import Field
 
 from kvbench.workloads.base import Request, Session
 from kvbench.workloads.common import flatten, rng_for
-from kvbench.workloads.specs import MixSpec
+from kvbench.core.errors import UserError
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec, Strict
+
+
+class MixComponent(Strict):
+    workload: str  # name of another [workloads.<name>] table
+    weight: float = Field(gt=0)
+
+
+class MixSpec(KindSpec):
+    kind: Literal["mix"] = "mix"
+    requests: int = Field(default=300, gt=0)
+    components: list[MixComponent] = Field(min_length=1)
+
+    def parts(self) -> list[str]:
+        return [c.workload for c in self.components]
+
+    def check_tables(self, name: str, tables: Mapping[str, KindSpec]) -> tuple[str, str] | None:
+        for i, comp in enumerate(self.components):
+            if comp.workload not in tables or comp.workload == name:
+                return (f"workloads.{name}.components[{i}].workload",
+                        f"{comp.workload!r} is not another [workloads.*] table; use one of "
+                        f"{sorted(set(tables) - {name})}")
+            if isinstance(tables[comp.workload], MixSpec):
+                return (f"workloads.{name}.components[{i}]",
+                        "a mix cannot contain another mix; list its parts instead")
+        return None
+
+    def working_set_problem(self, name: str, sizable_kinds: list[str]) -> str | None:
+        if self.working_set is None:
+            return None
+        return (f"workloads.{name}.working_set: set working_set on the mix's parts, not on "
+                "the mix; remove it")
 
 
 class _Capped:
@@ -107,3 +141,12 @@ class MixWorkload:
 
     def __repr__(self) -> str:
         return f"<MixWorkload {self.name!r} {self.counts}>"
+
+
+def _build(name: str, spec: MixSpec, ctx: BuildContext) -> MixWorkload:
+    if ctx.part is None:
+        raise UserError(f"workloads.{name}: a mix needs the config that defines its parts")
+    return MixWorkload(name, spec, ctx.seed, ctx.part)
+
+
+register(spec=MixSpec, build=_build, request_class=MixWorkload.request_class)

@@ -8,15 +8,39 @@ system prompt. ``shared_prefix_tokens`` covers the system prompt and all retriev
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import ClassVar, Iterator, Literal
 
 import numpy as np
+from pydantic import Field
 
 from kvbench.core.errors import UserError
 from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample, zipf_cdf
 from kvbench.workloads.prompt import Assembler, Piece
-from kvbench.workloads.specs import RagSpec
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec, LengthDist, const
+
+
+class RagSpec(KindSpec):
+    kind: Literal["rag"] = "rag"
+    requests: int = Field(default=200, gt=0)
+    documents: int = Field(default=100, gt=0)
+    chunks_per_document: int = Field(default=4, gt=0)
+    chunk_tokens: LengthDist = const(256)
+    top_k: int = Field(default=4, gt=0)
+    zipf_s: float = Field(default=1.1, gt=0)  # popularity exponent over documents
+    system_prompt_tokens: int = Field(default=128, ge=0)
+    question_tokens: LengthDist = LengthDist(dist="lognormal", mean=24, sigma=0.4, min=4, max=128)
+    output_tokens: LengthDist = LengthDist(dist="lognormal", mean=128, sigma=0.5, min=8, max=512)
+
+    sizable: ClassVar[bool] = True
+
+    def max_prompt_upper(self) -> float:
+        return (self.system_prompt_tokens + self.top_k * self.chunk_tokens.upper
+                + self.question_tokens.upper)
+
+    def max_output_upper(self) -> float:
+        return self.output_tokens.upper
 
 
 class RagWorkload(GeneratedWorkload):
@@ -120,3 +144,10 @@ class RagWorkload(GeneratedWorkload):
 
     def requests(self):
         return self.build_requests()
+
+
+def _build(name: str, spec: RagSpec, ctx: BuildContext) -> RagWorkload:
+    return RagWorkload(name, spec, ctx.tokenizer, ctx.seed, ctx.n_requests)
+
+
+register(spec=RagSpec, build=_build, request_class=RagWorkload.request_class)

@@ -1,54 +1,133 @@
-"""Build a workload from its ``[workloads.<name>]`` table."""
+"""The workload kinds: each kind's module registers its spec, its generator and its request
+class here, and a workload is built from its ``[workloads.<name>]`` table through this registry.
+
+Built-in kinds are found by importing every module of ``kvbench.workloads`` once, on the first
+lookup, so adding a kind is one new module that calls ``register``.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Annotated, Callable, Mapping, Union
+
+from pydantic import Field, TypeAdapter
+
 from kvbench.core.errors import UserError
-from kvbench.workloads.specs import (
-    AgentSpec,
-    ChatSpec,
-    HogwildSpec,
-    LongctxSpec,
-    MixSpec,
-    RagSpec,
-    TraceSpec,
-)
+from kvbench.workloads.specs import KindSpec
 from kvbench.workloads.tokenizer import get_tokenizer
 
 
-def _generator(name: str, spec, tokenizer, seed: int, n_requests: int | None = None):
-    if spec.working_set is not None and not isinstance(spec, (RagSpec, LongctxSpec,
-                                                              AgentSpec)):
-        raise UserError(f"workloads.{name}.working_set: sizing applies to rag, longctx and "
-                        f"agent workloads, not {spec.kind}; remove working_set")
-    if isinstance(spec, RagSpec):
-        from kvbench.workloads.rag import RagWorkload
-        return RagWorkload(name, spec, tokenizer, seed, n_requests)
-    if isinstance(spec, AgentSpec):
-        from kvbench.workloads.agent import AgentWorkload
-        return AgentWorkload(name, spec, tokenizer, seed, n_requests)
-    if isinstance(spec, LongctxSpec):
-        from kvbench.workloads.longctx import LongctxWorkload
-        return LongctxWorkload(name, spec, tokenizer, seed, n_requests)
-    if isinstance(spec, ChatSpec):
-        from kvbench.workloads.chat import ChatWorkload
-        return ChatWorkload(name, spec, tokenizer, seed, n_requests)
-    if isinstance(spec, HogwildSpec):
-        from kvbench.workloads.hogwild import HogwildWorkload
-        return HogwildWorkload(name, spec, tokenizer, seed, n_requests)
-    if isinstance(spec, TraceSpec):
-        from kvbench.workloads.traces import open_trace
-        if n_requests is not None and (spec.limit is None or spec.limit > n_requests):
-            spec = spec.model_copy(update={"limit": n_requests})
-        return open_trace(name, spec, tokenizer, seed)
-    raise UserError(f"workloads.{name}: kind {spec.kind!r} cannot be built here")
+@dataclass(frozen=True)
+class BuildContext:
+    """What a kind's build function gets besides its name and spec."""
+
+    tokenizer: object
+    seed: int
+    n_requests: int | None = None  # a mix asks its parts for this many requests
+    part: Callable[[str, int], object] | None = None  # builds another table (for a mix)
 
 
-def build_spec(name: str, spec, tokenizer, seed: int, n_requests: int | None = None):
+@dataclass(frozen=True)
+class Kind:
+    """One registered workload kind."""
+
+    kind: str
+    spec: type[KindSpec]
+    build: Callable[[str, KindSpec, BuildContext], object]
+    request_class: str  # the class its requests carry ("mix": each its part's)
+
+
+_KINDS: dict[str, Kind] = {}
+_state = {"discovered": False, "adapter": None}
+
+
+def register(*, spec: type[KindSpec], build: Callable[[str, KindSpec, BuildContext], object],
+             request_class: str) -> Kind:
+    """Registers a kind under the default of ``spec``'s ``kind`` field; registering the same
+    spec again is a no-op, another spec under a taken kind is an error."""
+    if not (isinstance(spec, type) and issubclass(spec, KindSpec)):
+        raise TypeError(f"{spec!r} is not a KindSpec subclass")
+    kind = spec.model_fields["kind"].default
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"{spec.__name__} needs kind: Literal['<kind>'] = '<kind>'")
+    old = _KINDS.get(kind)
+    if old is not None:
+        if old.spec is spec:
+            return old
+        raise ValueError(f"workload kind {kind!r} is registered twice ({old.spec.__name__} "
+                         f"and {spec.__name__})")
+    _KINDS[kind] = entry = Kind(kind, spec, build, request_class)
+    _state["adapter"] = None
+    return entry
+
+
+def unregister(kind: str) -> None:
+    """Removes a kind (tests that register their own)."""
+    if _KINDS.pop(kind, None) is not None:
+        _state["adapter"] = None
+
+
+def _discover() -> None:
+    if _state["discovered"]:
+        return
+    _state["discovered"] = True
+    pkg = importlib.import_module("kvbench.workloads")
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{m.name}")
+
+
+def kinds() -> dict[str, Kind]:
+    """Every registered kind by name, in registration order."""
+    _discover()
+    return dict(_KINDS)
+
+
+def kind_of(spec: KindSpec) -> Kind:
+    try:
+        return kinds()[spec.kind]
+    except KeyError:
+        raise UserError(f"workload kind {spec.kind!r} is not registered; use one of "
+                        f"{sorted(_KINDS)}") from None
+
+
+def request_classes() -> tuple[str, ...]:
+    """The request classes the registered kinds produce (a mix produces its parts')."""
+    return tuple(dict.fromkeys(k.request_class for k in kinds().values()
+                               if k.request_class != "mix"))
+
+
+def tables_adapter() -> TypeAdapter:
+    """Validates a ``{name: table}`` mapping into specs, each chosen by its ``kind`` among the
+    kinds registered now (rebuilt after a registration)."""
+    adapter = _state["adapter"]
+    if adapter is None:
+        specs = tuple(k.spec for k in kinds().values())
+        one = Annotated[Union[specs], Field(discriminator="kind")] if len(specs) > 1 \
+            else specs[0]
+        adapter = _state["adapter"] = TypeAdapter(dict[str, one])
+    return adapter
+
+
+def parse_spec(table: Mapping) -> KindSpec:
+    """One ``[workloads.<name>]`` table as its kind's spec (raises pydantic's ValidationError)."""
+    return tables_adapter().validate_python({"_": dict(table)})["_"]
+
+
+def _build(name: str, spec: KindSpec, ctx: BuildContext):
+    entry = kind_of(spec)
+    problem = spec.working_set_problem(
+        name, [k.kind for k in kinds().values() if k.spec.sizable])
+    if problem:
+        raise UserError(problem)
+    return entry.build(name, spec, ctx)
+
+
+def build_spec(name: str, spec: KindSpec, tokenizer, seed: int, n_requests: int | None = None):
     """A workload from a spec outside any config (tests, trace files given on the command
     line); a mix needs its config, use ``make_workload``."""
-    if isinstance(spec, MixSpec):
-        raise UserError(f"workloads.{name}: a mix needs the config that defines its parts")
-    return _generator(name, spec, tokenizer, seed, n_requests)
+    return _build(name, spec, BuildContext(tokenizer, seed, n_requests))
 
 
 def make_workload(name: str, cfg, tokenizer=None):
@@ -61,20 +140,13 @@ def make_workload(name: str, cfg, tokenizer=None):
         raise UserError(f"workload {name!r} is not defined in the config; use one of "
                         f"{sorted(cfg.workloads)}")
     tok = tokenizer if tokenizer is not None else get_tokenizer(cfg.suite.tokenizer)
-    spec = cfg.workloads[name]
 
     def seed_of(s) -> int:
         return s.seed if s.seed is not None else cfg.suite.seed
 
-    if isinstance(spec, MixSpec):
-        from kvbench.workloads.mix import MixWorkload
+    def part(pname: str, n: int):
+        pspec = cfg.workloads[pname]
+        return _build(pname, pspec, BuildContext(tok, seed_of(pspec), n))
 
-        def build(cname: str, n: int):
-            return _generator(cname, cfg.workloads[cname], tok, seed_of(cfg.workloads[cname]),
-                              n)
-
-        if spec.working_set is not None:
-            raise UserError(f"workloads.{name}.working_set: set working_set on the mix's "
-                            "parts, not on the mix; remove it")
-        return MixWorkload(name, spec, seed_of(spec), build)
-    return _generator(name, spec, tok, seed_of(spec))
+    spec = cfg.workloads[name]
+    return _build(name, spec, BuildContext(tok, seed_of(spec), part=part))

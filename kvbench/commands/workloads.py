@@ -65,8 +65,7 @@ def _workload(target: str, args, cfg_cache: dict):
         from pydantic import ValidationError
 
         from kvbench.workloads.registry import build_spec
-        from kvbench.workloads.specs import TraceSpec
-        from kvbench.workloads.traces import guess_format
+        from kvbench.workloads.traces import TraceSpec, guess_format
 
         path = Path(target)
         if not path.exists():

@@ -25,7 +25,7 @@ class EngineAdapter:
     """One engine family. A metric name is the Prometheus sample name as scraped (counters with
     their ``_total`` suffix); ``None`` when the engine does not publish it."""
 
-    name: str  # vllm | sglang | llamacpp | trtllm | builtin
+    name: str  # vllm | sglang | llamacpp | dynamo | builtin
     title: str  # for reports: "vLLM", "llama.cpp llama-server", ...
     prefixes: tuple[str, ...]  # metric-name prefixes that identify the family in /metrics
     # prefix cache, in prompt tokens: hits / queries is the engine's hit ratio
@@ -48,6 +48,7 @@ class EngineAdapter:
     tokenize_count: Callable[[dict], int | None] | None = None
     reset_cache: HttpCall | None = None
     list_slots: HttpCall | None = None  # where resets are per slot (llama.cpp)
+    slot_ids: Callable[[object], list[int]] | None = None  # the ids in list_slots' reply
     notes: tuple[str, ...] = field(default_factory=tuple)
     priority: int = 0  # detection: higher wins when several families' names are present
 

@@ -9,17 +9,32 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator, Literal
 
 import numpy as np
+from pydantic import Field
 
 from kvbench.core.errors import UserError
 from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for
 from kvbench.workloads.prompt import Assembler
-from kvbench.workloads.specs import TraceSpec
+from kvbench.workloads.registry import BuildContext, register
+from kvbench.workloads.specs import KindSpec
 
 FORMATS = ("mooncake", "azure", "lmcache_agent")
+
+
+class TraceSpec(KindSpec):
+    kind: Literal["trace"] = "trace"
+    format: Literal["mooncake", "azure", "lmcache_agent"]
+    path: str  # a file, or for lmcache_agent a directory of session files
+    speedup: float = Field(default=1.0, gt=0)  # 2.0 replays twice as fast
+    limit: int | None = Field(default=None, gt=0)
+    jitter_s: float = Field(default=0.0, ge=0)  # spreads Mooncake's 3 s timestamp steps
+    skip_bad_lines: bool = False
+    max_output_tokens: int | None = Field(default=None, gt=0)  # clip replayed outputs
+
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
 
 
 def traces_dir() -> Path:
@@ -125,3 +140,13 @@ def open_trace(name: str, spec: TraceSpec, tokenizer, seed: int) -> TraceWorkloa
         return AzureTrace(name, spec, tokenizer, seed)
     from kvbench.workloads.traces.lmcache_agent import LMCacheAgentTrace
     return LMCacheAgentTrace(name, spec, tokenizer, seed)
+
+
+def _build(name: str, spec: TraceSpec, ctx: BuildContext) -> TraceWorkload:
+    n = ctx.n_requests
+    if n is not None and (spec.limit is None or spec.limit > n):
+        spec = spec.model_copy(update={"limit": n})
+    return open_trace(name, spec, ctx.tokenizer, ctx.seed)
+
+
+register(spec=TraceSpec, build=_build, request_class=TraceWorkload.request_class)

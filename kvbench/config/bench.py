@@ -1,0 +1,55 @@
+"""The whole bench.toml: composed of each concern's own spec (workload kinds from the workloads
+registry, endpoints and load profiles here, SLOs and gate rules from the reports, collection
+from the collectors)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SerializeAsAny, field_validator
+
+from kvbench.collectors.spec import CollectConfig
+from kvbench.config.endpoints import EndpointSpec
+from kvbench.config.load import LoadProfile
+from kvbench.reports.spec import SLO, GateConfig
+from kvbench.workloads import registry
+from kvbench.workloads.specs import KindSpec, Strict
+
+
+class SuiteConfig(Strict):
+    name: str = "default"
+    seed: int = 0
+    tokenizer: str = "builtin"  # "builtin" or a path to tokenizer.json
+    results_dir: str = "results"
+    workloads: list[str] | None = None  # which [workloads.*] to run; None: all but mix parts
+    profile: str | None = None  # which [profiles.*] to run; None: all
+
+
+class BenchConfig(Strict):
+    suite: SuiteConfig = SuiteConfig()
+    endpoints: list[EndpointSpec] = Field(min_length=1)
+    # each table validated as the spec of its kind among the kinds registered at validation
+    workloads: dict[str, SerializeAsAny[KindSpec]] = Field(min_length=1)
+    profiles: dict[str, LoadProfile] = Field(min_length=1)
+    slo: dict[str, SLO] = Field(default_factory=dict)
+    gate: GateConfig = GateConfig()
+    collect: CollectConfig = CollectConfig()
+
+    @field_validator("workloads", mode="before")
+    @classmethod
+    def _kinds(cls, v):
+        return registry.tables_adapter().validate_python(v)
+
+    def public_dump(self) -> dict:
+        """The resolved config for run.json and reports, with header values that look like
+        credentials masked (keys belong in the environment, never in results)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        for ep in data.get("endpoints", []):
+            for k in list((ep.get("headers") or {})):
+                if any(w in k.lower() for w in ("auth", "key", "token", "secret", "cookie")):
+                    ep["headers"][k] = "***"
+        return data
+
+    def endpoint(self, name: str):
+        for ep in self.endpoints:
+            if ep.name == name:
+                return ep
+        raise KeyError(name)

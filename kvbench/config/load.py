@@ -1,0 +1,38 @@
+"""``[profiles.<name>]``: how requests are paced, stage by stage."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kvbench.workloads.specs import Strict
+
+
+class Stage(Strict):
+    duration_s: float = Field(gt=0)
+    rate_rps: float | None = Field(default=None, gt=0)  # open loop
+    users: int | None = Field(default=None, gt=0)  # closed loop
+
+
+class LoadProfile(Strict):
+    """How requests are paced. ``closed``: Locust users, one per session, each waiting for its
+    response. ``poisson``/``gamma``/``constant``: open loop at ``rate_rps`` per stage.
+    ``trace``: the workload's own arrival times."""
+
+    pacing: Literal["closed", "poisson", "gamma", "constant", "trace"] = "closed"
+    stages: list[Stage] = Field(min_length=1)
+    gamma_cv: float = Field(default=2.0, gt=0)  # coefficient of variation of gaps (burstiness)
+    max_in_flight: int = Field(default=512, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)  # whole-request deadline
+    warmup_connections: bool = True
+
+    @model_validator(mode="after")
+    def _stages(self):
+        for i, st in enumerate(self.stages):
+            if self.pacing == "closed" and st.users is None:
+                raise ValueError(f"stages[{i}] needs users for closed-loop pacing; set users")
+            if self.pacing in ("poisson", "gamma", "constant") and st.rate_rps is None:
+                raise ValueError(f"stages[{i}] needs rate_rps for {self.pacing} pacing; "
+                                 "set rate_rps")
+        return self
