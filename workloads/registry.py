@@ -136,17 +136,23 @@ def make_workload(name: str, cfg, tokenizer=None):
     Tokenizer: ``get_tokenizer(cfg.suite.tokenizer)`` unless given; seed: the table's
     ``seed`` or ``suite.seed``.
     """
-    if name not in cfg.workloads:
-        raise UserError(f"workload {name!r} is not defined in the config; use one of "
-                        f"{sorted(cfg.workloads)}")
     tok = tokenizer if tokenizer is not None else get_tokenizer(cfg.suite.tokenizer)
+    return make_from_specs(name, cfg.workloads, cfg.suite.seed, tok)
+
+
+def make_from_specs(name: str, specs: Mapping[str, KindSpec], seed: int, tokenizer):
+    """The workload ``name`` of ``specs`` (validated tables, a mix's parts among them), each
+    seeded by its table's ``seed`` or ``seed``: what a config or a resolved job holds."""
+    if name not in specs:
+        raise UserError(f"workload {name!r} is not defined in the config; use one of "
+                        f"{sorted(specs)}")
 
     def seed_of(s) -> int:
-        return s.seed if s.seed is not None else cfg.suite.seed
+        return s.seed if s.seed is not None else seed
 
     def part(pname: str, n: int):
-        pspec = cfg.workloads[pname]
-        return _build(pname, pspec, BuildContext(tok, seed_of(pspec), n))
+        pspec = specs[pname]
+        return _build(pname, pspec, BuildContext(tokenizer, seed_of(pspec), n))
 
-    spec = cfg.workloads[name]
-    return _build(name, spec, BuildContext(tok, seed_of(spec), part=part))
+    spec = specs[name]
+    return _build(name, spec, BuildContext(tokenizer, seed_of(spec), part=part))

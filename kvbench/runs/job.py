@@ -16,7 +16,6 @@ import os
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 from kvbench.core.errors import UserError
@@ -117,19 +116,12 @@ class Job:
         """The workload generator from the job's own spec(s): no config is read."""
         if ":" in self.workload:
             return load_factory(self.workload)()
-        from pydantic import TypeAdapter
-
-        from kvbench.workloads.registry import make_workload
-        from kvbench.workloads.specs import WorkloadSpec
+        from kvbench.workloads.registry import make_from_specs, tables_adapter
         from kvbench.workloads.tokenizer import get_tokenizer
 
-        adapter = TypeAdapter(WorkloadSpec)
-        specs = {n: adapter.validate_python(d) for n, d in self.workload_specs.items()}
-        # make_workload reads only .workloads and .suite.{seed,tokenizer} of its config
-        view = SimpleNamespace(workloads=specs, suite=SimpleNamespace(
-            seed=self.seed, tokenizer=self.tokenizer))
+        specs = tables_adapter().validate_python(self.workload_specs)
         tok = tokenizer if tokenizer is not None else get_tokenizer(self.tokenizer)
-        return make_workload(self.workload, view, tok)
+        return make_from_specs(self.workload, specs, self.seed, tok)
 
     # -- the job file
     def to_dict(self) -> dict:

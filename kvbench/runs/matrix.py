@@ -47,7 +47,7 @@ def _select(items, names, what, key):
 
 def default_workloads(cfg) -> list[str]:
     """Every workload but the parts of a mix."""
-    parts = {c.workload for s in cfg.workloads.values() if s.kind == "mix" for c in s.components}
+    parts = {p for s in cfg.workloads.values() for p in s.parts()}
     return [n for n in cfg.workloads if n not in parts]
 
 

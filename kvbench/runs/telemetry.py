@@ -17,7 +17,7 @@ def start(run_dir, cfg, jobs, notes: dict):
     for job in jobs:
         e = job.endpoint
         eps.setdefault(e.name, {"name": e.name, "url": e.url, "topology": e.topology,
-                                "metrics_url": e.metrics_url})
+                                "metrics_url": e.metrics_url, "engine": e.engine})
     try:
         return start_collectors(run_dir, cfg.collect, list(eps.values()))
     except Exception as exc:  # noqa: BLE001 - load still runs without telemetry
