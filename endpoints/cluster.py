@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from kvbench.endpoints.config import Resolved
-from kvbench.endpoints.engine import Engine, Seq
+from kvbench.endpoints.engine import Engine
 from kvbench.endpoints.router import Router
+from kvbench.endpoints.seq import Seq
 
 
 class Cluster:

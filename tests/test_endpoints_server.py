@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbench.model import costmodel as cm
 from kvbench.endpoints.config import validate_options
+from kvbench.endpoints.faults import parse_fault_header
 from kvbench.endpoints.kvcache import HBMCache, block_hashes
-from kvbench.endpoints.server import EmulatorServer, parse_fault_header
+from kvbench.endpoints.server import EmulatorServer
 from emulator_client import request
 from kvbench.workloads.text import TextFactory
 from kvbench.workloads.tokenizer import get_tokenizer
