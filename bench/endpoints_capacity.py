@@ -3,7 +3,8 @@ core while its engine steps stay within 1 ms of the modelled step time.
 
 The server runs as ``kvbench serve`` pinned to one core; a client process (pinned to another
 core when there is one) holds N streams open with raw asyncio sockets and counts SSE events.
-Each level runs ``--seconds``; the server's own step lateness comes from /metrics.
+Each level runs ``--seconds``; the server's own step lateness comes from /metrics, and its CPU
+time per chunk from /proc (steadier than chunks/s on a shared, noisy host).
 
     /work/venv/bin/python bench/endpoints_capacity.py --streams 500 1000 2000 3000
 """
@@ -42,6 +43,13 @@ def _lateness(text: str) -> tuple[float, float, dict]:
     return vals.get("sum", 0.0), vals.get("count", 0.0), buckets | {"steps": steps}
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _p99(b0: dict, b1: dict) -> float:
     edges = sorted(k for k in b1 if k != "steps")
     total = b1[float("inf")] - b0.get(float("inf"), 0.0)
@@ -73,7 +81,7 @@ async def _stream(host: str, port: int, body: bytes, counts: list, stop: asyncio
         w.close()
 
 
-async def client(host: str, port: int, streams: int, seconds: float) -> dict:
+async def client(host: str, port: int, streams: int, seconds: float, pid: int) -> dict:
     body = orjson.dumps({"prompt": " ".join(["lorem"] * 32), "max_tokens": 100_000,
                          "stream": True})
     counts, opened = [0], [0]
@@ -87,9 +95,9 @@ async def client(host: str, port: int, streams: int, seconds: float) -> dict:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)
     m0 = _lateness(await _http_get(host, port, "/metrics"))
-    c0, t0 = counts[0], time.perf_counter()
+    c0, t0, cpu0 = counts[0], time.perf_counter(), _cpu_s(pid)
     await asyncio.sleep(seconds)
-    c1, t1 = counts[0], time.perf_counter()
+    c1, t1, cpu1 = counts[0], time.perf_counter(), _cpu_s(pid)
     m1 = _lateness(await _http_get(host, port, "/metrics"))
     stop.set()
     for t in tasks:
@@ -99,7 +107,9 @@ async def client(host: str, port: int, streams: int, seconds: float) -> dict:
     return {"streams": streams, "chunks_per_s": (c1 - c0) / (t1 - t0),
             "steps_per_s": (m1[2]["steps"] - m0[2]["steps"]) / (t1 - t0),
             "lateness_mean_ms": 1e3 * (m1[0] - m0[0]) / n_steps if n_steps else 0.0,
-            "lateness_p99_ms_le": min(1e3 * _p99(m0[2], m1[2]), 1e9)}
+            "lateness_p99_ms_le": min(1e3 * _p99(m0[2], m1[2]), 1e9),
+            "server_cpu_pct": 100 * (cpu1 - cpu0) / (t1 - t0),
+            "server_cpu_us_per_chunk": 1e6 * (cpu1 - cpu0) / max(1, c1 - c0)}
 
 
 def main() -> int:
@@ -108,12 +118,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--step-ms", type=float, default=100.0,
                     help="modelled decode step (via slowdown): 2,000 streams at 100 ms = 20K/s")
-    ap.add_argument("--client", nargs=3, metavar=("HOST", "PORT", "STREAMS"),
+    ap.add_argument("--client", nargs=4, metavar=("HOST", "PORT", "STREAMS", "SERVER_PID"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
         res = asyncio.run(client(args.client[0], int(args.client[1]), int(args.client[2]),
-                                 args.seconds))
+                                 args.seconds, int(args.client[3])))
         print(orjson.dumps(res).decode(), flush=True)
         return 0
     cores = sorted(os.sched_getaffinity(0))
@@ -123,7 +133,7 @@ def main() -> int:
     print(f"emulator on core {srv_core}, client on core {cli_core}; {args.seconds:.0f} s per "
           f"level; decode steps slowed to about {args.step_ms:.0f} ms")
     print(f"{'streams':>8} {'chunks/s':>10} {'steps/s':>8} {'model chunks/s':>15} "
-          f"{'late mean ms':>13} {'late p99 ms <=':>15}")
+          f"{'late mean ms':>13} {'late p99 ms <=':>15} {'srv cpu %':>10} {'cpu us/chunk':>13}")
     for n in args.streams:
         # A decode-only step of n streams (about 60 tokens of context each), slowed to step_ms;
         # a token budget that admits all streams quickly.
@@ -138,14 +148,16 @@ def main() -> int:
             host, port = line.split("http://")[1].split(" ")[0].split(":")
             out = subprocess.run(["taskset", "-c", str(cli_core), sys.executable, __file__,
                                   "--seconds", str(args.seconds), "--client", host, port,
-                                  str(n)], capture_output=True, text=True, timeout=300)
+                                  str(n), str(srv.pid)], capture_output=True, text=True,
+                                 timeout=300)
             if out.returncode != 0:
                 print(out.stderr[-2000:])
                 return 1
             r = orjson.loads(out.stdout.strip().splitlines()[-1])
             print(f"{n:>8} {r['chunks_per_s']:>10.0f} {r['steps_per_s']:>8.1f} "
                   f"{r['steps_per_s'] * n:>15.0f} {r['lateness_mean_ms']:>13.3f} "
-                  f"{r['lateness_p99_ms_le']:>15.2f}")
+                  f"{r['lateness_p99_ms_le']:>15.2f} {r['server_cpu_pct']:>10.0f} "
+                  f"{r['server_cpu_us_per_chunk']:>13.1f}")
         finally:
             srv.terminate()
             srv.wait(timeout=10)

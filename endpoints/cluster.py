@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from kvbench.endpoints.config import Resolved
-from kvbench.endpoints.engine import Engine, Seq
+from kvbench.endpoints.engine import Engine
 from kvbench.endpoints.router import Router
+from kvbench.endpoints.seq import Seq
 
 
 class Cluster:
@@ -96,7 +97,9 @@ class Cluster:
         dst.move(tier, "receive", seq.n_prompt * self.res.kv_bytes_per_token, 0.0)
 
         def arrive() -> None:
-            seq.t_transfer_done = loop.time()
+            # The modelled arrival: a late callback is host jitter, not transfer time (it shows
+            # in the first decode instead).
+            seq.t_transfer_done = done
             if seq.cancelled:
                 return
             dst.add(seq)

@@ -1,3 +1,5 @@
+# Over 400 lines, kept whole: one class whose scheduler (_schedule, _admit, _preempt, _apply)
+# and step loop share the batch, the cache and the counters on every step.
 """The engine model: one asyncio task per simulated GPU steps a continuous batch in real time.
 
 Each step takes a token budget: one token for every decoding sequence, then chunks of the
@@ -12,108 +14,18 @@ callback) and ``decode`` (receives prefilled sequences).
 from __future__ import annotations
 
 import asyncio
-import bisect
 from collections import deque
 from typing import Callable
 
 from kvbench.endpoints.config import Resolved, ceil_div
+from kvbench.endpoints.histogram import (
+    E2E_BUCKETS, ITL_BUCKETS, LATENESS_BUCKETS, TTFT_BUCKETS, Histogram)
 from kvbench.endpoints.kvcache import HBMCache, Tier
+from kvbench.endpoints.seq import Seq
 
-# Bucket edges (seconds) as in vLLM's histograms of the same names.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # How far behind its timeline (wall seconds) an engine may fall and still catch up by running
 # steps back to back; beyond it the timeline restarts from now (an overloaded host).
 CATCH_UP_S = 0.25
-LATENESS_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
-
-
-class Histogram:
-    __slots__ = ("edges", "counts", "sum", "count")
-
-    def __init__(self, edges):
-        self.edges = edges
-        self.counts = [0] * (len(edges) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, n: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.edges, value)] += n
-        self.sum += value * n
-        self.count += n
-
-    def quantile(self, q: float) -> float:
-        """Upper bucket edge holding the q-quantile (inf past the last edge)."""
-        if self.count == 0:
-            return 0.0
-        want = q * self.count
-        acc = 0
-        for i, c in enumerate(self.counts):
-            acc += c
-            if acc >= want:
-                return self.edges[i] if i < len(self.edges) else float("inf")
-        return float("inf")
-
-
-class Seq:
-    """One request inside the engines. Times are ``loop.time()`` seconds."""
-
-    __slots__ = ("rid", "n_prompt", "hashes", "max_tokens", "target", "computed", "generated",
-                 "held", "anon", "cached_tokens", "load_ms", "first_admit", "waiter",
-                 "finished", "error", "cancelled", "replica", "region", "prefilled",
-                 "t_arrival", "t_scheduled", "t_prefill_done", "t_transfer_done", "t_first",
-                 "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms", "sink")
-
-    def __init__(self, rid: str, n_prompt: int, hashes: list[int], max_tokens: int,
-                 t_arrival: float):
-        self.rid = rid
-        self.n_prompt = n_prompt
-        self.hashes = hashes
-        self.max_tokens = max_tokens
-        self.target = n_prompt  # tokens whose KV must exist before decoding (grows on preemption)
-        self.computed = 0
-        self.generated = 0
-        self.held: list[int] = []
-        self.anon = 0
-        self.cached_tokens = 0
-        self.load_ms = 0.0
-        self.first_admit = True
-        self.waiter: asyncio.Future | None = None
-        self.finished = False
-        self.error: tuple[int, str, str] | None = None  # (status, type, message)
-        self.cancelled = False
-        self.replica = ""
-        self.region = ""
-        self.prefilled = False
-        self.t_arrival = t_arrival
-        self.t_scheduled = None
-        self.t_prefill_done = None
-        self.t_transfer_done = None
-        self.t_first = None
-        self.t_done = None
-        self.preemptions = 0
-        self.engine: Engine | None = None
-        self.kv_transfer_ms = 0.0
-        self.network_ms = 0.0
-        # Called with this Seq when tokens are ready (the server writes them to the socket
-        # right here); None: the handler task is woken through ``waiter`` instead.
-        self.sink: Callable[[Seq], None] | None = None
-
-    def notify(self) -> None:
-        if self.sink is not None:
-            self.sink(self)
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def fail(self, status: int, etype: str, message: str) -> None:
-        self.error = (status, etype, message)
-        self.finished = True
-        self.notify()
 
 
 class Engine:

@@ -1,14 +1,21 @@
 """``/metrics`` in Prometheus text format: vLLM's engine names per simulated engine, kvbench's
-KV-movement series, and DCGM-exporter names per simulated GPU (with a role label)."""
+KV-movement series, and DCGM-exporter names per simulated GPU (with a role label).
+
+The names the engine adapters read (prefix cache, tokens, KV usage, queue, preemptions, cache
+config) come from the built-in adapter, so the emulator and its readers cannot drift."""
 
 from __future__ import annotations
 
 import asyncio
 
+from kvbench import engines
 from kvbench.endpoints.cluster import Cluster
-from kvbench.endpoints.engine import Engine, Histogram
+from kvbench.endpoints.engine import Engine
+from kvbench.endpoints.histogram import Histogram
+from kvbench.model.profiles import HARDWARE
 
 MIB = 1024 * 1024
+ADAPTER = engines.get("builtin")
 
 
 _PCIE_LAST: dict[int, tuple[float, float]] = {}  # engine -> (loop time s, bytes moved)
@@ -61,40 +68,39 @@ def render(cluster: Cluster) -> str:
         return {"model_name": cfg.model_name, "engine": e.name, "role": e.role,
                 "region": e.region}
 
+    a = ADAPTER
     gauges = [
-        ("vllm:num_requests_running", "Number of requests in model execution batches.",
-         lambda e: e.num_running),
-        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-         lambda e: e.num_waiting),
-        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-         lambda e: e.kv_usage()),
+        (a.running, "Number of requests in model execution batches.", lambda e: e.num_running),
+        (a.waiting, "Number of requests waiting to be processed.", lambda e: e.num_waiting),
+        (a.kv_usage, "KV-cache usage. 1 means 100 percent usage.", lambda e: e.kv_usage()),
     ]
     for name, help_text, fn in gauges:
         out.family(name, "gauge", help_text)
         for e in engines:
             out.sample(name, lab(e), fn(e))
+    # Counter sample names end in _total; prometheus_client's 0.0.4 exposition (vLLM's) writes
+    # the HELP and TYPE lines with the same suffixed name, so the adapter's names serve as is.
     counters = [
-        ("vllm:prefix_cache_queries", "Prefix cache queries, in number of queried tokens.",
+        (a.prefix_queries, "Prefix cache queries, in number of queried tokens.",
          lambda e: e.prefix_queries),
-        ("vllm:prefix_cache_hits", "Prefix cache hits, in number of cached tokens.",
+        (a.prefix_hits, "Prefix cache hits, in number of cached tokens.",
          lambda e: e.prefix_hits),
-        ("vllm:external_prefix_cache_queries",
+        ("vllm:external_prefix_cache_queries_total",
          "External (offloaded tier) prefix cache queries, in tokens.",
          lambda e: e.external_queries),
-        ("vllm:external_prefix_cache_hits",
+        ("vllm:external_prefix_cache_hits_total",
          "External (offloaded tier) prefix cache hits, in tokens.",
          lambda e: e.external_hits),
-        ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+        (a.preemptions, "Cumulative number of preemptions from the engine.",
          lambda e: e.preemptions),
-        ("vllm:prompt_tokens", "Number of prefill tokens processed.",
-         lambda e: e.prompt_tokens),
-        ("vllm:generation_tokens", "Number of generation tokens processed.",
+        (a.prompt_tokens, "Number of prefill tokens processed.", lambda e: e.prompt_tokens),
+        (a.generation_tokens, "Number of generation tokens processed.",
          lambda e: e.generation_tokens),
     ]
     for name, help_text, fn in counters:
-        out.family(name + "_total", "counter", help_text)
+        out.family(name, "counter", help_text)
         for e in engines:
-            out.sample(name + "_total", lab(e), fn(e))
+            out.sample(name, lab(e), fn(e))
     out.family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
     for e in engines:
         out.sample("vllm:request_success_total", {**lab(e), "finished_reason": "length"},
@@ -113,8 +119,8 @@ def render(cluster: Cluster) -> str:
             if e.role == "prefill" and attr != "queue_time":
                 continue
             out.hist(name, lab(e), getattr(e, attr))
-    out.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.")
-    out.sample("vllm:cache_config_info", {
+    out.family(a.cache_config, "gauge", "Information of the LLMEngine CacheConfig.")
+    out.sample(a.cache_config, {
         "model_name": cfg.model_name, "block_size": cfg.block_tokens,
         "enable_prefix_caching": "True", "num_gpu_blocks": res.capacity_blocks,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
@@ -148,7 +154,6 @@ def render(cluster: Cluster) -> str:
     # DCGM-exporter names, one simulated GPU per engine.
     now = asyncio.get_running_loop().time()
     hw_total = res.hbm_bytes
-    from kvbench.model.profiles import HARDWARE
     hwp = HARDWARE[cfg.hardware]
     rows = []
     for e in engines:

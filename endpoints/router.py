@@ -4,7 +4,8 @@ across regions, paying the cross-region round trip). A residency constraint alwa
 
 from __future__ import annotations
 
-from kvbench.endpoints.engine import Engine, Seq
+from kvbench.endpoints.engine import Engine
+from kvbench.endpoints.seq import Seq
 
 
 class RoutingError(Exception):

@@ -1,5 +1,6 @@
 """A small aiohttp client for the emulator's own tests and benchmarks (not the load generator):
-one request, streamed or not, with client-side timing and the parsed SSE events."""
+one request, streamed or not, with client-side timing and the SSE events as parsed by the
+tree's one SSE parser (``kvbench.loadgen.sse``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
+
+from kvbench.loadgen.sse import SSEParser
 
 
 @dataclass
@@ -38,6 +41,29 @@ class Reply:
         return int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
+def _take(rep: Reply, events: list, now: float, chat: bool, parts: list[str]) -> None:
+    """Fold parsed SSE events that arrived at ``now`` (seconds from send) into ``rep``."""
+    for _, payload in events:
+        if payload == b"[DONE]":
+            rep.done = True
+            continue
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            rep.bad_events.append(payload)
+            continue
+        rep.events.append(obj)
+        if obj.get("usage") and not obj.get("choices"):
+            rep.usage = obj["usage"]
+        for ch in obj.get("choices") or ():
+            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            if piece:
+                parts.append(piece)
+                rep.chunk_times_s.append(now)
+                if rep.ttft_s is None:
+                    rep.ttft_s = now
+
+
 async def request(session: aiohttp.ClientSession, url: str, body: dict, *, chat: bool = False,
                   headers: dict | None = None) -> Reply:
     """POST to /v1/completions (or /v1/chat/completions) and read the whole reply."""
@@ -61,34 +87,11 @@ async def request(session: aiohttp.ClientSession, url: str, body: dict, *, chat:
                     rep.usage = rep.body.get("usage")
                     rep.ttft_s = rep.e2e_s
                 return rep
-            buf = b""
-            parts = []
+            parser = SSEParser()
+            parts: list[str] = []
             async for data in resp.content.iter_any():
-                now = time.perf_counter() - t0
-                buf += data
-                while b"\n\n" in buf:
-                    ev, buf = buf.split(b"\n\n", 1)
-                    if not ev.startswith(b"data: "):
-                        continue
-                    payload = ev[6:]
-                    if payload == b"[DONE]":
-                        rep.done = True
-                        continue
-                    try:
-                        obj = orjson.loads(payload)
-                    except orjson.JSONDecodeError:
-                        rep.bad_events.append(payload)
-                        continue
-                    rep.events.append(obj)
-                    if obj.get("usage") and not obj.get("choices"):
-                        rep.usage = obj["usage"]
-                    for ch in obj.get("choices") or ():
-                        piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                        if piece:
-                            parts.append(piece)
-                            rep.chunk_times_s.append(now)
-                            if rep.ttft_s is None:
-                                rep.ttft_s = now
+                _take(rep, parser.feed(data), time.perf_counter() - t0, chat, parts)
+            _take(rep, parser.finish(), time.perf_counter() - t0, chat, parts)
             rep.text = "".join(parts)
             rep.e2e_s = time.perf_counter() - t0
             return rep

@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvbench import engines
 from kvbench.model import costmodel as cm
 from kvbench.endpoints.config import validate_options
+from kvbench.endpoints.faults import parse_fault_header
 from kvbench.endpoints.kvcache import HBMCache, block_hashes
-from kvbench.endpoints.server import EmulatorServer, parse_fault_header
+from kvbench.endpoints.server import EmulatorServer
 from emulator_client import request
 from kvbench.workloads.text import TextFactory
 from kvbench.workloads.tokenizer import get_tokenizer
@@ -151,6 +153,25 @@ def test_metrics_parse_with_vllm_kvbench_and_dcgm_names():
     ttft = [s for s in fams["vllm:time_to_first_token_seconds"].samples
             if s.name.endswith("_count")]
     assert sum(s.value for s in ttft) == 2
+
+
+def test_metrics_carry_every_name_the_builtin_adapter_reads():
+    """The emulator publishes what the built-in engine adapter reads, and the adapter finds the
+    KV geometry the emulator was configured with."""
+    async def fn(srv, s):
+        await request(s, srv.url, {"prompt": TEXT.segment("adapter", 64), "max_tokens": 3})
+        async with s.get(srv.url + "/metrics") as r:
+            return await r.text()
+
+    fams = _families(with_server("colocated", fn, replicas=1, kv_capacity_tokens=4096))
+    samples = {smp.name: smp for f in fams.values() for smp in f.samples}
+    a = engines.get("builtin")
+    assert engines.detect(samples) is a
+    for field in ("prefix_hits", "prefix_queries", "prompt_tokens", "generation_tokens",
+                  "kv_usage", "running", "waiting", "preemptions", "cache_config"):
+        assert getattr(a, field) in samples, field
+    assert samples[a.prompt_tokens].value == 64 and samples[a.generation_tokens].value == 3
+    assert a.geometry(samples[a.cache_config].labels) == (16, 4096)
 
 
 def test_routed_residency_and_cross_region():

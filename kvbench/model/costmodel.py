@@ -1,7 +1,7 @@
 """The seeds' cost model as pure functions: the emulator steps with them, the reports overlay them.
 
 Times are milliseconds, sizes bytes, rates tokens/ms or GB/s (1 GB = 1e9 bytes). Defaults are
-the seeds' constants (see ``endpoints.profiles``); where the seeds' own numbers disagree with
+the seeds' constants (see ``kvbench.model.profiles``); where the seeds' own numbers disagree with
 their formulas, the calibration constant that reconciles them is documented here.
 """
 
