@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.core.store import load_results
+from kvbench.runs.locust import free_port
 import stream_server as testing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +164,9 @@ def test_interrupted_run_loses_nothing(server, config, tmp_path, sig):
 
 
 def test_processes_mode_each_worker_writes_its_shard(server, config, tmp_path):
-    p = locust("mix", server, config, tmp_path, "--processes", "2", "--kvbench-pacing",
+    port = str(free_port())  # not Locust's default 5557, which other Locusts on the host share
+    p = locust("mix", server, config, tmp_path, "--processes", "2", "--master-bind-host",
+               "127.0.0.1", "--master-bind-port", port, "--master-port", port, "--kvbench-pacing",
                "constant", "--kvbench-rates", "20", "--kvbench-stage-duration", "2", users=2,
                run_time="20s")
     out, _ = p.communicate(timeout=60)

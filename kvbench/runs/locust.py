@@ -9,6 +9,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -56,13 +57,24 @@ class Outcome:
     log_path: Path
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def command(job: Job, job_file: Path, processes: int) -> tuple[list[str], float]:
     """The Locust command line for ``job`` and the seconds to allow it."""
     cmd = [sys.executable, "-m", "locust", "-f", str(locustfile(JOB_LOCUSTFILE)), "--headless",
            "--host", job.endpoint.url, "--only-summary", "--loglevel", "WARNING",
            "--kvbench-job", str(job_file), "--kvbench-no-finalize"]
     if processes > 1:
-        cmd += ["--processes", str(processes)]
+        # a free port of its own for master and workers: Locust's default 5557 is shared by
+        # every other distributed Locust on the host, whose workers would join this master
+        port = free_port()
+        cmd += ["--processes", str(processes), "--master-bind-host", "127.0.0.1",
+                "--master-bind-port", str(port), "--master-port", str(port)]
     if job.pacing == "closed":
         st = job.stages[job.stage_index]
         cmd += ["-u", str(st.users), "-r", str(st.users),
