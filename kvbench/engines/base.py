@@ -44,7 +44,9 @@ class EngineAdapter:
     cache_config: str | None = None
     cache_config_geometry: Callable[[Mapping[str, str]], tuple[int, int] | None] | None = None
     tokenize: HttpCall | None = None
-    tokenize_body: Callable[[str, str | None, list | None], dict] | None = None
+    # the tokenize request for (model, prompt, messages); None where the engine cannot tokenize
+    # that request (the caller falls back, e.g. to a one-token completion's usage)
+    tokenize_body: Callable[[str, str | None, list | None], dict | None] | None = None
     tokenize_count: Callable[[dict], int | None] | None = None
     reset_cache: HttpCall | None = None
     list_slots: HttpCall | None = None  # where resets are per slot (llama.cpp)

@@ -1,20 +1,22 @@
-"""llama.cpp ``llama-server`` (run with ``--metrics``). Names as served by the build in
-``../shared/ENGINES.md``; no KV-usage gauge (per-slot state is at ``/slots``).
+"""llama.cpp ``llama-server`` (run with ``--metrics``); no KV-usage gauge (per-slot state is at
+``/slots``).
 
-PROVISIONAL until checked against a real llama-server: ``prompt_tokens_total`` is taken to count
-only the prompt tokens the server computed, so the queries are hits + that counter."""
+Checked against a real llama-server (vendor/llama.cpp 0c1e570, tests/data/llamacpp):
+``prompt_tokens_total`` counts only the prompt tokens the server computed ("excluding cached
+tokens"), ``prompt_tokens_cached_total`` the reused ones; a 562-token prompt sent twice moved them
+by +562/+0, then +1/+561, and each response's ``cached_tokens`` equalled the cached counter's
+increase. So the hit ratio is cached / (cached + prompt_tokens_total)."""
 
 from __future__ import annotations
 
 from kvbench.engines.base import EngineAdapter, HttpCall, register
 
 
-def tokenize_body(model: str, prompt: str | None, messages: list | None) -> dict:
-    """llama-server's /tokenize takes plain text as ``content`` (no chat messages: render the
-    chat template first)."""
+def tokenize_body(model: str, prompt: str | None, messages: list | None) -> dict | None:
+    """llama-server's /tokenize takes plain text as ``content``; chat messages would need the
+    model's chat template, so they are not tokenized here (None: the caller falls back)."""
     if messages is not None:
-        raise ValueError("llama-server's /tokenize takes text, not chat messages; render the "
-                         "chat template and tokenize the text")
+        return None
     return {"content": prompt}
 
 
@@ -36,7 +38,7 @@ LLAMACPP = register(EngineAdapter(
     prefix_hits="llamacpp:prompt_tokens_cached_total",
     prefix_queries="llamacpp:prompt_tokens_total",
     queries_exclude_hits=True,
-    prompt_tokens="llamacpp:prompt_tokens_total",
+    prompt_tokens=None,  # prompt_tokens_total counts computed tokens only (cache misses)
     generation_tokens="llamacpp:tokens_predicted_total",
     running="llamacpp:requests_processing",
     waiting="llamacpp:requests_deferred",
@@ -45,6 +47,7 @@ LLAMACPP = register(EngineAdapter(
     list_slots=HttpCall("GET", "/slots", "disabled by --no-slots"),
     slot_ids=slot_ids,
     reset_cache=HttpCall("POST", "/slots/{slot}?action=erase",
-                         "erases one slot's prompt cache; called for every slot"),
+                         "needs --slot-save-path (501 without); a prefix the host-RAM prompt "
+                         "cache still holds comes back after it unless --cache-ram 0"),
     notes=("metrics need --metrics", "prefix reuse is per slot (-np N slots)"),
 ))

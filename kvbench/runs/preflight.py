@@ -110,8 +110,10 @@ def server_prompt_tokens(url: str, model: str, req, headers: dict,
                          adapter: engines.EngineAdapter) -> int | None:
     """The server's prompt token count of ``req``: the engine's tokenize call, else the usage
     of a one-token completion; None when the server tells neither."""
+    body = None
     if adapter.tokenize is not None and adapter.tokenize_body is not None:
         body = adapter.tokenize_body(model, req.prompt, req.messages)
+    if body is not None:
         try:
             reply = http_json(url + adapter.tokenize.path, body, headers,
                               method=adapter.tokenize.method)
