@@ -140,8 +140,9 @@ def _costmodel_overlay(fig: go.Figure, d: ReportData, f: pd.DataFrame) -> str:
     declared = [ep for ep in eps if d.declared_hardware(ep)]
     others = [f"{ep} ({(d.endpoints.get(ep) or {}).get('kind') or 'kind not recorded'})"
               for ep in eps if ep not in declared]
-    skipped = (f"not drawn for {', '.join(others)}: the config does not declare that "
-               "hardware (only built-in endpoints run the cost model's)") if others else ""
+    skipped = (f"not drawn for {', '.join(others)}: hardware not declared in the config (the "
+               "cost model describes the built-in endpoints' reference stack, not a real "
+               "server)") if others else ""
     f = f[f["endpoint"].isin(declared).to_numpy()]
     if not len(f):
         return f"cost model overlay omitted: {skipped}" if others else ""

@@ -287,7 +287,7 @@ def _stage_table(d: ReportData) -> pd.DataFrame:
 
 
 def _env() -> Environment:
-    env = Environment(loader=PackageLoader("reports", "templates"),
+    env = Environment(loader=PackageLoader("kvbench.reports", "templates"),
                       autoescape=select_autoescape(["html", "j2"], default=True),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = fmt
@@ -326,7 +326,7 @@ def md_escape(text) -> str:
 
 
 def render_md(ctx: dict) -> str:
-    env = Environment(loader=PackageLoader("reports", "templates"), autoescape=False,
+    env = Environment(loader=PackageLoader("kvbench.reports", "templates"), autoescape=False,
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["md"] = md_escape
     return env.get_template("report.md.j2").render(**ctx)
