@@ -1,6 +1,8 @@
 """The seeds' symptom table as rules: each compares what was measured with what should have
 been, fires only when its evidence is in the data, and says the numbers, the cause and the fix.
 
+(Above 400 lines: one short function per row of the seeds' table, read as one table.)
+
 Symptom -> cause -> fix rows are from seed 000's table ("Prefix hit rate drops to 8% | Round-robin
 ALB | Cache-aware router on prefix hash", ...). Thresholds are ours and named below.
 """

@@ -1,5 +1,7 @@
 """The one definition of every metric kvbench reports: a registry of metric objects.
 
+(Above 400 lines: the metric kinds, the registry and its evaluation are one concern, kept whole.)
+
 A metric is an object that knows its definition (``value(frame) -> float`` over a request
 frame, ``reports.frame.request_frame``) and its own replicate strategy (``replicates``, from
 the bootstrap engine in ``reports.resampling``): per-request values resample requests, ITL gaps
@@ -16,6 +18,7 @@ divide by the wall time of the load stages the rows came from.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -45,11 +48,10 @@ DEFINITIONS = {
     "goodput": "requests that succeeded and met every SLO of their class (TTFT, TPOT, E2E), per "
                "second of load-stage wall time; errors count as misses.",
     "hit ratio": "prefix-cache hit ratio: sum(cached_tokens) / sum(prompt_tokens) over "
-                 "successful requests reporting cached_tokens; engine: increase of the engine's "
-                 "prefix-cache hit counter / increase of its query counter, named by the engine "
-                 "adapter (vLLM: vllm:prefix_cache_hits_total / "
-                 "vllm:prefix_cache_queries_total; where queries count only computed tokens, "
-                 "as llama.cpp's, hits / (hits + queries)).",
+                 "successful requests reporting cached_tokens; engine: increase of the "
+                 "prefix-cache hit counter / increase of the query counter, as named by the "
+                 "engine adapter of the endpoint's family (where the query counter counts only "
+                 "computed tokens, as llama.cpp's does: hits / (hits + queries)).",
     "error rate": "requests with a status other than ok / all requests.",
     "percentiles": "linear interpolation between order statistics (numpy's default); "
                    "confidence intervals by a seeded bootstrap over requests.",
@@ -77,7 +79,7 @@ def _no_replicates(resamples: int) -> np.ndarray:
 # metric kinds
 
 
-class Metric:
+class Metric(ABC):
     """A metric's definition (``value``) and its replicate strategy (``replicates``)."""
 
     unit = ""
@@ -99,13 +101,14 @@ class Metric:
     def definition(self) -> str:
         return DEFINITIONS[self.term]
 
+    @abstractmethod
     def value(self, frame: pd.DataFrame) -> float:
-        raise NotImplementedError
+        """The metric over the requests of ``frame``."""
 
+    @abstractmethod
     def replicates(self, frame: pd.DataFrame, resamples: int,
                    rng: np.random.Generator) -> tuple[float, np.ndarray]:
         """(estimate, seeded bootstrap replicates) over the requests of ``frame``."""
-        raise NotImplementedError
 
     def schedule_noise(self, reps: np.ndarray, n: int,
                        rng: np.random.Generator) -> np.ndarray | None:
@@ -126,8 +129,9 @@ class Sample(Metric):
         self.term = term
         self.q = q
 
+    @abstractmethod
     def sample(self, frame: pd.DataFrame) -> np.ndarray:
-        raise NotImplementedError
+        """The values the quantile or mean is taken over (NaN where a request has none)."""
 
     def of(self, values: np.ndarray) -> float:
         return quantile(values, self.q) if self.q is not None else mean(values)
@@ -138,10 +142,10 @@ class Sample(Metric):
     def replicates(self, frame, resamples, rng):
         return self.sample_replicates(frame, drop_nan(self.sample(frame)), resamples, rng)
 
+    @abstractmethod
     def sample_replicates(self, frame: pd.DataFrame, values: np.ndarray, resamples: int,
                           rng: np.random.Generator) -> tuple[float, np.ndarray]:
         """``replicates`` given the frame's sample (NaN dropped), already extracted."""
-        raise NotImplementedError
 
 
 class PerRequest(Sample):
@@ -208,9 +212,10 @@ class _Sum(Metric):
             return est, _no_replicates(resamples)
         return est, self._draws(frame, resamples, rng)
 
+    @abstractmethod
     def _draws(self, frame: pd.DataFrame, resamples: int,
                rng: np.random.Generator) -> np.ndarray:
-        raise NotImplementedError
+        """Replicates of the metric (the estimate is known and finite)."""
 
 
 class Count(_Sum):
