@@ -190,7 +190,7 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
                   slo: Mapping[str, object] | None = None,
                   endpoint_label: Callable[[str], str] | None = None,
                   gaps: "GapStore | None" = None) -> pd.DataFrame:
-    """One row per request with every derived per-request value; see ``DEFINITIONS``.
+    """One row per request with every derived per-request value (``metrics.DEFINITIONS``).
 
     Needs the columns in ``FRAME_COLUMNS`` (plus ``chunk_offsets_ns`` unless ``gaps`` gives
     the requests' ITL gaps, with failed requests' gaps left out).
