@@ -32,33 +32,51 @@ class _Run:
 
 
 def _read_run(path: Path | str) -> _Run:
-    """One run through the store's reader, in one pass (a live run's shards may grow while it
-    is read): the scalar request columns kept as a table, the chunk lists of each batch turned
-    into ITL gaps at once, so 1M requests x 50 chunks never sit in memory twice. The gaps of a
-    batch are computed in a worker while the next batch decodes (both release the GIL)."""
+    """One run through the store's reader. The requests' chunk lists are streamed in batches
+    and turned into ITL gaps at once, so 1M requests x 50 chunks never sit in memory twice.
+
+    The compacted parquet is immutable: its scalar columns are read while its chunk batches
+    decode and a worker turns them into gaps (decoding and numpy release the GIL). Live shards
+    may grow while they are read, so they are read in one pass for both."""
     run_dir = Path(path)
     meta = read_meta(run_dir)
-    scalars, gaps, pending = [], [], deque()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        for batch in scan(run_dir, "requests", columns=(*FRAME_COLUMNS, "chunk_offsets_ns"),
-                          batch_size=BATCH_ROWS):
-            pending.append(pool.submit(_batch_gaps, batch.column(len(FRAME_COLUMNS)),
-                                       batch.column(_STATUS)))
-            scalars.append(batch.drop_columns(["chunk_offsets_ns"]))
-            while len(pending) > _MAX_PENDING:
-                gaps.append(pending.popleft().result())
-        gaps.extend(f.result() for f in pending)
-    requests = (pa.Table.from_batches(scalars) if scalars else
-                read_table(run_dir, "requests", columns=FRAME_COLUMNS, parquet=False,
-                           shards=False))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        scalar = pool.submit(read_table, run_dir, "requests", FRAME_COLUMNS, shards=False)
+        gaps = _stream_gaps(scan(run_dir, "requests", columns=("chunk_offsets_ns", "status"),
+                                 batch_size=BATCH_ROWS, shards=False), pool, [])
+        tables = [scalar.result()]
+        live: list[pa.RecordBatch] = []
+        gaps = _stream_gaps(_keep_scalars(scan(
+            run_dir, "requests", columns=(*FRAME_COLUMNS, "chunk_offsets_ns"),
+            batch_size=BATCH_ROWS, parquet=False), live), pool, gaps)
+    if live:
+        tables.append(pa.Table.from_batches(live))
     store = GapStore.concat(gaps) if gaps else GapStore(np.zeros(0, np.float32),
                                                         np.zeros(1, np.int64))
-    return _Run(run_dir, meta, requests, store, read_table(run_dir, "gpu"),
+    return _Run(run_dir, meta, pa.concat_tables(tables), store, read_table(run_dir, "gpu"),
                 read_table(run_dir, "engine"))
 
 
-_STATUS = FRAME_COLUMNS.index("status")
-_MAX_PENDING = 4  # batches of chunk lists waiting for the gap worker (bounds memory)
+_MAX_PENDING = 4  # batches of chunk lists waiting for a gap worker (bounds memory)
+
+
+def _keep_scalars(batches, scalars: list):
+    """Yield each batch's (chunk_offsets_ns, status), keeping its other columns in ``scalars``."""
+    for batch in batches:
+        scalars.append(batch.drop_columns(["chunk_offsets_ns"]))
+        yield batch.select(["chunk_offsets_ns", "status"])
+
+
+def _stream_gaps(batches, pool: ThreadPoolExecutor, done: list) -> list[GapStore]:
+    """``done`` plus the gaps of each (chunk_offsets_ns, status) batch, computed in ``pool``
+    while the next batch decodes."""
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.submit(_batch_gaps, batch.column(0), batch.column(1)))
+        while len(pending) > _MAX_PENDING:
+            done.append(pending.popleft().result())
+    done.extend(f.result() for f in pending)
+    return done
 
 
 def _batch_gaps(offsets: pa.Array, status: pa.Array) -> GapStore:
