@@ -1,6 +1,8 @@
 """The seeds' symptom table as rules: each compares what was measured with what should have
 been, fires only when its evidence is in the data, and says the numbers, the cause and the fix.
 
+(Above 400 lines: one short function per row of the seeds' table, read as one table.)
+
 Symptom -> cause -> fix rows are from seed 000's table ("Prefix hit rate drops to 8% | Round-robin
 ALB | Cache-aware router on prefix hash", ...). Thresholds are ours and named below.
 """
@@ -14,6 +16,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
 
@@ -77,11 +80,11 @@ def _sent_descriptions(d: ReportData, ep: str) -> dict | None:
     name, run_id = str(entry.get("name", ep)), entry.get("run_id")
     got = None
     for run in d.runs:
-        if run_id is not None and str(run.get("run_id")) != str(run_id):
+        if run_id is not None and str(run.run_id) != str(run_id):
             continue
-        if "workloads_sent" not in run:
+        if run.workloads_sent is None:
             continue
-        got = (run.get("workloads_sent") or {}).get(name) or {}
+        got = run.workloads_sent.get(name) or {}
         if got:
             break
     return got
@@ -114,7 +117,7 @@ def prefix_hits_lost(d: ReportData) -> list[Finding]:
     was actually sent (run.json ``workloads_sent``)."""
     out = []
     f = d.frame
-    engine_hits = M.engine_hit_ratio(d.engine)
+    engine_hits = E.hit_ratio(d.engine)
     lean = M.slim(f, ("endpoint", "workload", "server_replica", "session_id"))
     for (ep, wl), sub in lean.groupby(["endpoint", "workload"], observed=True):
         ep, wl = str(ep), str(wl)
@@ -236,15 +239,14 @@ def transfer_tax(d: ReportData) -> list[Finding]:
 def hbm_full(d: ReportData) -> list[Finding]:
     out = []
     f = d.frame
-    preempt = M.engine_counter_increase(d.engine, "vllm:num_preemptions_total")
+    preempt = E.preemptions(d.engine)
     reprefill = _reprefills(f)
     for ep in d.endpoint_names:
-        n_pre = preempt.get(ep, 0.0)
+        counter, n_pre = preempt.get(ep, ("", 0.0))
         rp = reprefill.get(ep)
         ev = []
         if n_pre > 0:
-            ev.append(("engine preemptions (vllm:num_preemptions_total increase)",
-                       f"{n_pre:,.0f}"))
+            ev.append((f"engine preemptions ({counter} increase)", f"{n_pre:,.0f}"))
         if rp is not None:
             ev.append(("requests prefilled again on the same replica after a prefix hit "
                        "in their session", f"{rp['count']:,} ({_fmt(rp['share'], '%')})"))
@@ -308,7 +310,7 @@ def _endpoint_setting(d: ReportData, ep: str, header: str, keys: tuple[str, ...]
             return str(entry[k])
     name = entry.get("name", ep)
     for run in d.runs:
-        for cfg in (run.get("config") or {}).get("endpoints") or []:
+        for cfg in run.config.get("endpoints") or []:
             if not isinstance(cfg, dict) or cfg.get("name") != name:
                 continue
             hdrs = {str(k).lower(): v for k, v in (cfg.get("headers") or {}).items()}
@@ -391,7 +393,7 @@ def hogwild(d: ReportData) -> list[Finding]:
         return []
     specs = {}
     for run in d.runs:
-        for name, spec in ((run.get("config") or {}).get("workloads") or {}).items():
+        for name, spec in (run.config.get("workloads") or {}).items():
             if isinstance(spec, dict) and spec.get("kind") == "hogwild":
                 specs[name] = spec
     out = []

@@ -20,7 +20,6 @@ zero-width interval.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from xml.sax.saxutils import escape, quoteattr
 
@@ -28,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.core.errors import DataError, UserError
+from kvbench.core.store import RunMeta
 from kvbench.reports import metrics as M
 
 VERDICT_ORDER = {"pass": 0, "inconclusive": 1, "fail": 2}
@@ -65,7 +65,7 @@ class RuleResult:
 
 
 def _frame(results, slo: dict | None) -> pd.DataFrame:
-    return M.request_frame(results.requests, stages=results.meta.get("stages") or (), slo=slo)
+    return M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
 
 
 def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFrame:
@@ -76,59 +76,42 @@ def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFr
     return frame[rows]
 
 
-def _slo_from(meta: dict) -> dict:
-    return ((meta.get("config") or {}).get("slo")) or {}
-
-
-RATE_METRICS = ("throughput_rps", "goodput_rps", "input_tps", "output_tps")
-
-
-def _schedule(meta: dict, endpoint: str) -> tuple:
+def _schedule(meta: RunMeta, endpoint: str) -> tuple:
     """What fixes the arrivals an endpoint saw: seed, workloads and its stages' pacing."""
-    cfg = meta.get("config") or {}
+    cfg = meta.config
     stages = sorted((str(s.get("workload")), int(s.get("index") or 0), s.get("pacing"),
                      s.get("rate_rps"), s.get("duration_s"), s.get("users"))
-                    for s in meta.get("stages") or () if s.get("endpoint") == endpoint)
+                    for s in meta.stages if s.get("endpoint") == endpoint)
     # every workload table: a mix's components live under their own names
     wl = cfg.get("workloads") or {}
     return ((cfg.get("suite") or {}).get("seed"), repr(sorted(wl.items())), tuple(stages))
 
 
-def same_schedule(baseline_meta: dict, current_meta: dict, endpoint: str) -> bool:
+def same_schedule(baseline_meta: RunMeta, current_meta: RunMeta, endpoint: str) -> bool:
     """True when both runs replayed the same seeded open-loop arrivals at ``endpoint``."""
     b, c = _schedule(baseline_meta, endpoint), _schedule(current_meta, endpoint)
     open_loop = all(st[2] not in (None, "closed") for st in c[2])
     return bool(c[2]) and open_loop and b == c
 
 
-def _count_noise(reps: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Replicates of a rate with the number of arrivals redrawn as Poisson(n)."""
-    if n <= 0:
-        return reps
-    return reps * (rng.poisson(n, size=len(reps)) / n)
-
-
 PAIRED_MIN = 30  # fewer matched requests than this: the unpaired interval is used
-PAIRED_MAX = 50_000  # a seeded subsample of matched requests above this (wider, never narrower)
-_BLOCK_ELEMENTS = 4_000_000
 
 
-def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info, resamples: int,
+def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples: int,
                   rng: np.random.Generator) -> tuple[np.ndarray, int] | None:
     """Replicates of current/baseline for a per-request quantile or mean, resampling the
     requests both runs sent (matched on session and turn) with the same indices in both.
 
     With the same seeded schedule, request i is the same prompt at the same offset in both
     runs, so its latencies are correlated; resampling pairs measures the noise of the
-    difference instead of the two runs' spreads added together. ITL (pooled gaps) and rates
-    are not per request and keep the unpaired interval."""
-    if info.column is None or info.column == "itl_ms":
+    difference instead of the two runs' spreads added together. Metrics that are not a
+    statistic of per-request values (ITL's pooled gaps, rates) keep the unpaired interval."""
+    if not info.paired:
         return None
     kb = fb["session_id"].astype(str).to_numpy() + "\x1f" + fb["turn"].astype(str).to_numpy()
     kc = fc["session_id"].astype(str).to_numpy() + "\x1f" + fc["turn"].astype(str).to_numpy()
     common, ib, ic = np.intersect1d(kb, kc, assume_unique=False, return_indices=True)
-    n = len(common)
-    if n < PAIRED_MIN:
+    if len(common) < PAIRED_MIN:
         return None
     # A guard against ids that match but requests that do not: the same prompt has the same
     # length in both runs.
@@ -136,26 +119,8 @@ def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info, resamples: int,
     pc_ = fc["prompt_tokens"].to_numpy(np.float64)[ic]
     if np.mean(pb == pc_) < 0.9:
         return None
-    vb = fb[info.column].to_numpy(np.float64)[ib]
-    vc = fc[info.column].to_numpy(np.float64)[ic]
-    if n > PAIRED_MAX:
-        keep = rng.choice(n, PAIRED_MAX, replace=False)
-        vb, vc, n = vb[keep], vc[keep], PAIRED_MAX
-    reps = np.empty(resamples)
-    block = max(1, _BLOCK_ELEMENTS // n)
-    for s in range(0, resamples, block):
-        e = min(s + block, resamples)
-        idx = rng.integers(0, n, (e - s, n))
-        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows (failed requests)
-            if info.q is not None:
-                sb = np.nanquantile(vb[idx], info.q, axis=1)
-                sc = np.nanquantile(vc[idx], info.q, axis=1)
-            else:
-                sb = np.nanmean(vb[idx], axis=1)
-                sc = np.nanmean(vc[idx], axis=1)
-            reps[s:e] = sc / sb
-    return reps, n
+    return info.paired_replicates(info.request_values(fb)[ib], info.request_values(fc)[ic],
+                                  resamples, rng)
 
 
 def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -172,7 +137,7 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
     """Every rule of ``gate_cfg`` (kvbench.config.GateConfig) on two ``Results``."""
     if not gate_cfg.rules:
         raise UserError("the gate has no rules; add [gate] rules to bench.toml")
-    slo = slo if slo is not None else _slo_from(current.meta)
+    slo = slo if slo is not None else current.meta.slo
     cur = _frame(current, slo)
     base = _frame(baseline, slo) if baseline is not None else None
     endpoints_cur = list(cur["endpoint"].cat.categories) if len(cur) else []
@@ -239,9 +204,9 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
             verdict, note = "inconclusive", "baseline is zero: a ratio is undefined"
     else:
         rng = np.random.default_rng(seed + 2)
-        if metric in RATE_METRICS and not shared_schedule:
-            reps_b = _count_noise(reps_b, len(fb), rng)
-            reps_c = _count_noise(reps_c, len(fc), rng)
+        noisy_b = None if shared_schedule else info.schedule_noise(reps_b, len(fb), rng)
+        if noisy_b is not None:
+            reps_b, reps_c = noisy_b, info.schedule_noise(reps_c, len(fc), rng)
             note = "arrival schedules differ: the rate's interval includes Poisson count noise"
         paired = _paired_ratio(fb, fc, info, b, rng) if shared_schedule else None
         if paired is not None:

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbench.core.errors import DataError
+from kvbench.core.store import RunMeta
 
 HISTORY = pa.schema([
     ("run_id", pa.string()),
@@ -42,13 +43,13 @@ def history_dir(results_dir: Path | str) -> Path:
     return Path(results_dir) / "history"
 
 
-def record_run(results_dir: Path | str, meta: dict, run_path: Path | str,
+def record_run(results_dir: Path | str, meta: RunMeta, run_path: Path | str,
                rows: list[dict], verdict: str | None = None) -> Path:
     """Write (or replace) one run's history rows; ``rows`` carry endpoint, request_class,
     metric, value."""
-    suite = str(meta.get("suite") or "default")
-    started = int(meta.get("started_ns") or time.time_ns())
-    run_id = str(meta.get("run_id") or Path(run_path).name)
+    suite = str(meta.suite or "default")
+    started = int(meta.started_ns or time.time_ns())
+    run_id = str(meta.run_id or Path(run_path).name)
     part = history_dir(results_dir) / f"suite={suite}" / f"date={_date(started)}"
     part.mkdir(parents=True, exist_ok=True)
     table = pa.table({

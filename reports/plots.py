@@ -11,8 +11,10 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvbench.reports import metrics as M
+from kvbench.model import costmodel
+from kvbench.reports import engine_counters as E
 from kvbench.reports.data import ReportData
+from kvbench.reports.resampling import drop_nan
 
 TIME_BINS = 60
 SCATTER_POINTS = 1500  # per topology, seeded sample
@@ -42,6 +44,24 @@ def _times_rel_s(frame: pd.DataFrame) -> np.ndarray:
     return (t - first) / 1e9
 
 
+def cdf_points(values: np.ndarray, points: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """(x, F(x)) for plotting a CDF without shipping raw points: quantiles at ``points``
+    levels, or above 1M values a histogram on log-spaced bins (exact at the bin edges, O(n))."""
+    v = drop_nan(values)
+    if len(v) == 0:
+        return np.zeros(0), np.zeros(0)
+    if len(v) > 1_000_000:
+        lo = max(float(v.min()), 1e-3)
+        hi = max(float(v.max()), lo * 1.001)
+        logs = np.log(np.maximum(v, lo, dtype=np.float32))
+        counts, edges = np.histogram(logs, bins=points * 4, range=(math.log(lo),
+                                                                   math.log(hi) + 1e-9))
+        return np.exp(edges[1:]), np.cumsum(counts) / len(v)
+    levels = np.concatenate([np.linspace(0, 0.99, points - 40, endpoint=False),
+                             np.linspace(0.99, 1.0, 40)])
+    return np.quantile(v, levels), levels
+
+
 def cdfs(d: ReportData, itl_cache: dict[str, np.ndarray]) -> list[Figure]:
     out = []
     f = d.frame
@@ -52,7 +72,7 @@ def cdfs(d: ReportData, itl_cache: dict[str, np.ndarray]) -> list[Figure]:
         fig = go.Figure()
         for ep in d.endpoint_names:
             v = itl_cache[ep] if col == "itl_ms" else f[col].to_numpy()[ep_col == ep]
-            x, y = M.cdf_points(v)
+            x, y = cdf_points(v)
             if len(x):
                 fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=ep))
         fig.update_xaxes(title_text="ms", type="log")
@@ -88,8 +108,8 @@ def load_curves(d: ReportData, stage_table: pd.DataFrame) -> list[Figure]:
             _fig(good, "goodput_vs_load", "Goodput at SLO against offered load")]
 
 
-def ttft_vs_prompt(d: ReportData, costmodel=None, costmodel_error: str = "") -> Figure:
-    f = d.frame[["ok", "prompt_tokens", "ttft_ms", "completion_tokens", "topology"]]
+def ttft_vs_prompt(d: ReportData) -> Figure:
+    f = d.frame[["ok", "prompt_tokens", "ttft_ms", "completion_tokens", "topology", "endpoint"]]
     f = f[f["ok"].to_numpy() & f["prompt_tokens"].notna().to_numpy()]
     fig = go.Figure()
     rng = np.random.default_rng(0)
@@ -107,35 +127,50 @@ def ttft_vs_prompt(d: ReportData, costmodel=None, costmodel_error: str = "") -> 
         centre = np.sqrt(edges[med.index.to_numpy()] * edges[med.index.to_numpy() + 1])
         fig.add_trace(go.Scatter(x=centre, y=med.to_numpy(), mode="lines+markers",
                                  name=f"{topo} median", legendgroup=str(topo)))
-    note = ""
-    if costmodel is not None and len(f):
-        out_med = float(np.nanmedian(f["completion_tokens"].to_numpy())) or 1.0
-        grid = np.geomspace(max(1.0, float(f["prompt_tokens"].min())), p_max, 60)
-        try:
-            colo = [costmodel.ms_colocated(int(g), 1) for g in grid]
-            dis = [costmodel.ms_disaggregated(int(g), 1, use_rdma=True) for g in grid]
-            cross = costmodel.pd_crossover_prompt_tokens(int(round(out_med)), use_rdma=True)
-        except Exception as exc:  # the model's own error: show the data without the overlay
-            note = f"cost model overlay omitted: {type(exc).__name__}: {exc}"
-        else:
-            fig.add_trace(go.Scatter(x=grid, y=colo, mode="lines", line=dict(dash="dot"),
-                                     name="cost model: colocated (prefill + 1 token)"))
-            fig.add_trace(go.Scatter(x=grid, y=dis, mode="lines", line=dict(dash="dot"),
-                                     name="cost model: disaggregated, RDMA"))
-            if cross is not None and math.isfinite(float(cross)) and float(cross) > 0:
-                fig.add_vline(x=float(cross), line_dash="dash", line_color="#555")
-                fig.add_annotation(x=math.log10(float(cross)), y=1, yref="paper",
-                                   text=f"predicted P/D crossover: {float(cross):,.0f} tokens "
-                                        f"(output {out_med:.0f})", showarrow=False,
-                                   xanchor="left")
-                note = (f"Cost model (endpoints.costmodel): disaggregation predicted to win above "
-                        f"{float(cross):,.0f} prompt tokens for the median output of "
-                        f"{out_med:.0f} tokens, over RDMA.")
-    elif costmodel is None:
-        note = f"cost model overlay omitted: {costmodel_error or 'endpoints.costmodel missing'}"
+    note = _costmodel_overlay(fig, d, f)
     fig.update_xaxes(title_text="prompt tokens", type="log")
     fig.update_yaxes(title_text="TTFT (ms)", type="log")
     return _fig(fig, "ttft_vs_prompt", "TTFT against prompt length, per topology", note)
+
+
+def _costmodel_overlay(fig: go.Figure, d: ReportData, f: pd.DataFrame) -> str:
+    """The seeds' cost model (colocated and RDMA-disaggregated TTFT, the P/D crossover) over
+    the requests of the endpoints whose hardware the config declares; returns the note."""
+    eps = d.endpoint_names
+    declared = [ep for ep in eps if d.declared_hardware(ep)]
+    others = [f"{ep} ({(d.endpoints.get(ep) or {}).get('kind') or 'kind not recorded'})"
+              for ep in eps if ep not in declared]
+    skipped = (f"not drawn for {', '.join(others)}: hardware not declared in the config (the "
+               "cost model describes the built-in endpoints' reference stack, not a real "
+               "server)") if others else ""
+    f = f[f["endpoint"].isin(declared).to_numpy()]
+    if not len(f):
+        return f"cost model overlay omitted: {skipped}" if others else ""
+    out_med = float(np.nanmedian(f["completion_tokens"].to_numpy())) or 1.0
+    grid = np.geomspace(max(1.0, float(f["prompt_tokens"].min())),
+                        float(f["prompt_tokens"].max()), 60)
+    try:
+        colo = [costmodel.ms_colocated(int(g), 1) for g in grid]
+        dis = [costmodel.ms_disaggregated(int(g), 1, use_rdma=True) for g in grid]
+        cross = costmodel.pd_crossover_prompt_tokens(int(round(out_med)), use_rdma=True)
+    except Exception as exc:  # the model's own error: show the data without the overlay
+        return f"cost model overlay omitted: {type(exc).__name__}: {exc}"
+    fig.add_trace(go.Scatter(x=grid, y=colo, mode="lines", line=dict(dash="dot"),
+                             name="cost model: colocated (prefill + 1 token)"))
+    fig.add_trace(go.Scatter(x=grid, y=dis, mode="lines", line=dict(dash="dot"),
+                             name="cost model: disaggregated, RDMA"))
+    note = ""
+    if cross is not None and math.isfinite(float(cross)) and float(cross) > 0:
+        fig.add_vline(x=float(cross), line_dash="dash", line_color="#555")
+        fig.add_annotation(x=math.log10(float(cross)), y=1, yref="paper",
+                           text=f"predicted P/D crossover: {float(cross):,.0f} tokens "
+                                f"(output {out_med:.0f})", showarrow=False, xanchor="left")
+        note = (f"Cost model (endpoints.costmodel): disaggregation predicted to win above "
+                f"{float(cross):,.0f} prompt tokens for the median output of "
+                f"{out_med:.0f} tokens, over RDMA.")
+    if others:
+        note = f"{note} Cost model {skipped}.".strip()
+    return note
 
 
 def _bin_edges(t_s: np.ndarray) -> np.ndarray:
@@ -159,10 +194,11 @@ def hit_ratio_over_time(d: ReportData) -> Figure | None:
     eps = f["endpoint"].to_numpy()
     first_ns = f.groupby("endpoint", observed=True)["t_sent_ns"].min()
     eng = d.engine
+    adapters = {ep: a for ep, a in E.adapters(eng).items() if a.hit_counters()}
     e = None
-    if eng.num_rows:
+    if adapters:
         e = eng.select(["t_ns", "endpoint", "metric", "value"]).to_pandas()
-        e = e[e["metric"].isin([M.PREFIX_HITS, M.PREFIX_QUERIES])]
+        e = e[e["metric"].isin({n for a in adapters.values() for n in a.hit_counters()})]
     for i, ep in enumerate(d.endpoint_names):
         m = ok & (eps == ep)
         if not m.any():
@@ -182,15 +218,17 @@ def hit_ratio_over_time(d: ReportData) -> Figure | None:
             fig.add_trace(go.Scatter(x=centre, y=ratio, mode="lines+markers",
                                      name=f"{ep} (cached_tokens)", line=dict(color=colour)))
             has = True
-        if e is None or ep not in first_ns.index:
+        if e is None or ep not in adapters or ep not in first_ns.index:
             continue
+        adapter = adapters[ep]
+        hits_name, queries_name = adapter.hit_counters()
         rows_e = e[e["endpoint"] == ep]
         piv = rows_e.pivot_table(index="t_ns", columns="metric", values="value",
                                  aggfunc="sum").sort_index()
-        if M.PREFIX_HITS not in piv or M.PREFIX_QUERIES not in piv or len(piv) < 2:
+        if hits_name not in piv or queries_name not in piv or len(piv) < 2:
             continue
-        dh = piv[M.PREFIX_HITS].diff().clip(lower=0).to_numpy()[1:]
-        dq = piv[M.PREFIX_QUERIES].diff().clip(lower=0).to_numpy()[1:]
+        dh = piv[hits_name].diff().clip(lower=0).to_numpy()[1:]
+        dq = piv[queries_name].diff().clip(lower=0).to_numpy()[1:]
         x = (piv.index.to_numpy()[1:] - int(first_ns[ep])) / 1e9
         inside = (x >= edges[0]) & (x <= edges[-1] + (edges[1] - edges[0]))
         if not inside.any():
@@ -198,8 +236,8 @@ def hit_ratio_over_time(d: ReportData) -> Figure | None:
         b = np.clip(np.searchsorted(edges, x[inside], side="right") - 1, 0, n_bins - 1)
         hits = np.bincount(b, dh[inside], n_bins)
         queries = np.bincount(b, dq[inside], n_bins)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(queries > 0, hits / queries, np.nan)
+        ratio = [adapter.hit_ratio(h, q) for h, q in zip(hits, queries)]
+        ratio = np.array([math.nan if r is None else r for r in ratio])
         fig.add_trace(go.Scatter(x=centre, y=ratio, mode="lines", line=dict(dash="dot",
                                  color=colour), name=f"{ep} (engine counters)"))
         has = True
@@ -270,16 +308,10 @@ def errors_over_time(d: ReportData) -> Figure | None:
 
 def all_figures(d: ReportData, stage_table: pd.DataFrame,
                 itl_cache: dict[str, np.ndarray]) -> list[Figure]:
-    try:
-        import kvbench.model.costmodel as costmodel  # written by the endpoints part; optional here
-
-        err = ""
-    except Exception as exc:  # ImportError, or a half-written module
-        costmodel, err = None, f"endpoints.costmodel unavailable ({type(exc).__name__})"
     figs: list[Figure | None] = []
     figs += cdfs(d, itl_cache)
     figs += load_curves(d, stage_table)
-    figs.append(ttft_vs_prompt(d, costmodel, err))
+    figs.append(ttft_vs_prompt(d))
     figs.append(hit_ratio_over_time(d))
     figs.append(gpu_timelines(d))
     figs.append(errors_over_time(d))

@@ -18,9 +18,12 @@ import numpy as np
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
 from kvbench.reports.diagnose import Finding, diagnose
+from kvbench.reports.frame import itl_values, wall_s
+from kvbench.reports.resampling import CI
 
 SUMMARY_METRICS = ("throughput_rps", "goodput_rps", "slo_attainment", "output_tps", "input_tps",
                    "ttft_p50", "ttft_p90", "ttft_p99", "ttft_p999", "ttft_mean", "tpot_p50",
@@ -79,7 +82,7 @@ def _best(values: Sequence[float], higher: bool, unit: str = "") -> set[int]:
 
 
 def _row(label: str, unit: str, values: list[float], higher: bool | None,
-         cis: list[M.CI | None] | None = None, unit_fmt: str | None = None) -> dict:
+         cis: list[CI | None] | None = None, unit_fmt: str | None = None) -> dict:
     best = _best(values, higher, unit_fmt or unit) if higher is not None else set()
     cells = []
     for i, v in enumerate(values):
@@ -107,15 +110,15 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
     lean = M.slim(f, ("endpoint", "topology"))
     ep_col = lean["endpoint"].to_numpy()
     per_ep = {ep: lean[ep_col == ep] for ep in eps}
-    itl_cache = {ep: M.itl_values(sub) for ep, sub in per_ep.items()}
+    itl_cache = {ep: itl_values(sub) for ep, sub in per_ep.items()}
     values: dict[str, dict[str, float]] = {}
-    cis: dict[str, dict[str, M.CI]] = {}
+    cis: dict[str, dict[str, CI]] = {}
     for ep, sub in per_ep.items():
         values[ep] = M.evaluate(sub, SUMMARY_METRICS)
         cis[ep] = M.evaluate(sub, CI_METRICS, ci=True, resamples=REPORT_RESAMPLES,
                              seed=REPORT_SEED)
-    engine_hits = M.engine_hit_ratio(d.engine)
-    walls = {ep: M.wall_s(sub) for ep, sub in per_ep.items()}
+    engine_hits = E.hit_ratio(d.engine)
+    walls = {ep: wall_s(sub) for ep, sub in per_ep.items()}
     out_tokens = {ep: float(np.nansum(sub["completion_tokens"].to_numpy()[sub["ok"].to_numpy()]))
                   for ep, sub in per_ep.items()}
     costs = {ep: cost_per_m_output(d, ep, out_tokens[ep], walls[ep]) for ep in eps}
@@ -171,13 +174,11 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
 
     figures = all_figures(d, stage_table, itl_cache)
     findings = diagnose(d)
-    first = d.runs[0] if d.runs else {}
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "runs": [{"run_id": r.get("run_id"), "suite": r.get("suite"),
-                  "started": _iso(r.get("started_ns")), "ended": _iso(r.get("ended_ns")),
-                  "path": str(p)} for r, p in zip(d.runs, d.paths)],
+        "runs": [{"run_id": r.run_id, "suite": r.suite, "started": _iso(r.started_ns),
+                  "ended": _iso(r.ended_ns), "path": str(p)} for r, p in zip(d.runs, d.paths)],
         "endpoints": [{"name": ep, "topology": (d.endpoints.get(ep) or {}).get("topology")
                        or _mode(per_ep[ep]["topology"]),
                        "model": (d.endpoints.get(ep) or {}).get("model"),
@@ -197,15 +198,15 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
         "figures": figures,
         "slo": d.slo,
         "definitions": M.DEFINITIONS,
-        "config_json": json.dumps(first.get("config") or {}, indent=2, sort_keys=True,
-                                  default=str),
-        "versions": {k: v for r in d.runs for k, v in (r.get("versions") or {}).items()},
-        "git_commits": sorted({str(r.get("git_commit")) for r in d.runs if r.get("git_commit")}),
-        "hosts": sorted({str(h) for r in d.runs for h in (r.get("hosts") or [])}),
-        "telemetry": {k: v for r in d.runs for k, v in (r.get("telemetry") or {}).items()},
-        "incomplete": [dict(x, run_id=r.get("run_id")) for r in d.runs
-                       for x in (r.get("incomplete") or []) if isinstance(x, dict)],
-        "counts": {r.get("run_id"): r.get("counts") for r in d.runs if r.get("counts")},
+        "config_json": json.dumps(d.runs[0].config if d.runs else {}, indent=2,
+                                  sort_keys=True, default=str),
+        "versions": {k: v for r in d.runs for k, v in r.versions.items()},
+        "git_commits": sorted({str(r.git_commit) for r in d.runs if r.git_commit}),
+        "hosts": sorted({str(h) for r in d.runs for h in r.hosts}),
+        "telemetry": {k: v for r in d.runs for k, v in r.telemetry.items()},
+        "incomplete": [dict(x, run_id=r.run_id) for r in d.runs
+                       for x in r.incomplete if isinstance(x, dict)],
+        "counts": {r.run_id: r.counts for r in d.runs if r.counts},
         "workloads": d.workloads,
         "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
@@ -286,7 +287,7 @@ def _stage_table(d: ReportData) -> pd.DataFrame:
 
 
 def _env() -> Environment:
-    env = Environment(loader=PackageLoader("reports", "templates"),
+    env = Environment(loader=PackageLoader("kvbench.reports", "templates"),
                       autoescape=select_autoescape(["html", "j2"], default=True),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = fmt
@@ -325,7 +326,7 @@ def md_escape(text) -> str:
 
 
 def render_md(ctx: dict) -> str:
-    env = Environment(loader=PackageLoader("reports", "templates"), autoescape=False,
+    env = Environment(loader=PackageLoader("kvbench.reports", "templates"), autoescape=False,
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["md"] = md_escape
     return env.get_template("report.md.j2").render(**ctx)

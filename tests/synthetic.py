@@ -37,6 +37,7 @@ class EndpointShape:
     gpus: int = 1
     gpu_hour_cost: float | None = None
     slowdown: float = 1.0  # factor on every latency (like the emulator's `slowdown` option)
+    kind: str = "builtin"  # run.json endpoint kind: builtin (declared hardware) | openai
 
 
 @dataclass
@@ -169,7 +170,7 @@ def run_meta(shape: RunShape, stages: list[dict], run_id: str = "synthetic-run",
         "config": cfg, "versions": {"kvbench": "test"}, "git_commit": "0" * 40,
         "hosts": ["host"],
         "endpoints": [{"name": e.name, "topology": e.topology, "url": "http://127.0.0.1:1",
-                       "model": e.model, "kind": "builtin", "gpus": e.gpus,
+                       "model": e.model, "kind": e.kind, "gpus": e.gpus,
                        "gpu_hour_cost": e.gpu_hour_cost} for e in shape.endpoints],
         "stages": stages, "clock_offsets_ns": {}, "telemetry": {}, "incomplete": [],
         "workloads": workloads or {},

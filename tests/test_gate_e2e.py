@@ -115,10 +115,10 @@ def _by_metric(doc):
 
 def test_runs_are_the_same_seeded_setup(store):
     a, b, slow = (load_results(store / r) for r in ("a", "b", "slow"))
-    assert a.meta["counts"]["records_written"] >= 120
+    assert a.meta.counts["records_written"] >= 120
     # Same seed, same arrival schedule: the same number of requests in the stage.
     assert a.requests.num_rows == b.requests.num_rows == slow.requests.num_rows
-    assert slow.meta["config"]["endpoints"][0]["options"]["slowdown"] == 1.2
+    assert slow.meta.config["endpoints"][0]["options"]["slowdown"] == 1.2
     for r in (a, b, slow):
         assert set(r.requests.column("status").to_pylist()) == {"ok"}
         assert pc.min(r.requests.column("completion_tokens")).as_py() == 16

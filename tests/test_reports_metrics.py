@@ -1,4 +1,5 @@
-"""reports.metrics against hand-computed cases and hypothesis properties."""
+"""The metric registry, the request frame and the bootstrap engine against hand-computed cases
+and hypothesis properties."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.core.schema import REQUESTS
+from kvbench.reports import engine_counters as E
+from kvbench.reports import frame as F
 from kvbench.reports import metrics as M
+from kvbench.reports import resampling as R
 from synthetic import EndpointShape, RunShape, engine_table, synth_table
 
 MS = 1_000_000
@@ -74,7 +78,7 @@ def test_hand_computed_latencies(hand):
 
 
 def test_hand_computed_rates(hand):
-    assert M.wall_s(hand) == pytest.approx(4.0)
+    assert F.wall_s(hand) == pytest.approx(4.0)
     assert M.statistic(hand, "throughput_rps") == pytest.approx(3 / 4)
     assert M.statistic(hand, "goodput_rps") == pytest.approx(1 / 4)  # only the chat one met SLO
     assert M.statistic(hand, "error_rate") == pytest.approx(1 / 3)
@@ -91,7 +95,7 @@ def test_group_bys_and_buckets(hand):
     assert list(s["request_class"]) == ["chat", "rag"]
     assert list(s["ttft_p50"]) == [100.0, 200.0]
     assert list(hand["prompt_bucket"].astype(str)) == ["0-255"] * 3
-    b = M.prompt_buckets(np.array([0, 255, 256, 511, 512, 70000, np.nan]))
+    b = F.prompt_buckets(np.array([0, 255, 256, 511, 512, 70000, np.nan]))
     assert list(b.astype(str))[:6] == ["0-255", "0-255", "256-511", "256-511", "512-1023",
                                        ">=65536"]
     assert b.codes[6] == -1
@@ -107,35 +111,36 @@ def test_unknown_metric_is_a_user_error(hand):
 def test_without_stage_times_wall_comes_from_data():
     f = M.request_frame(table(HAND))
     # first scheduled at 0 s, last end at 2 s + 4 ms + 0 (error row has no e2e) -> 2.004 s
-    assert M.wall_s(f) == pytest.approx(2.004)
+    assert F.wall_s(f) == pytest.approx(2.004)
 
 
 def test_engine_counter_deltas_handle_resets():
     s = 10**9
+    queries, hits = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
     eng = engine_table([
-        (0 * s, "ep", M.PREFIX_QUERIES, {}, 100.0), (1 * s, "ep", M.PREFIX_QUERIES, {}, 300.0),
-        (2 * s, "ep", M.PREFIX_QUERIES, {}, 50.0),  # restart: counts from 0 again
-        (0 * s, "ep", M.PREFIX_HITS, {}, 10.0), (1 * s, "ep", M.PREFIX_HITS, {}, 110.0),
-        (2 * s, "ep", M.PREFIX_HITS, {}, 25.0),
-        (0 * s, "x", M.PREFIX_QUERIES, {"engine": "1"}, 0.0),
-        (1 * s, "x", M.PREFIX_QUERIES, {"engine": "1"}, 0.0),
+        (0 * s, "ep", queries, {}, 100.0), (1 * s, "ep", queries, {}, 300.0),
+        (2 * s, "ep", queries, {}, 50.0),  # restart: counts from 0 again
+        (0 * s, "ep", hits, {}, 10.0), (1 * s, "ep", hits, {}, 110.0),
+        (2 * s, "ep", hits, {}, 25.0),
+        (0 * s, "x", queries, {"engine": "1"}, 0.0),
+        (1 * s, "x", queries, {"engine": "1"}, 0.0),
     ])
-    assert M.engine_counter_increase(eng, M.PREFIX_QUERIES) == {"ep": 250.0, "x": 0.0}
-    assert M.engine_hit_ratio(eng) == {"ep": pytest.approx(125 / 250)}
+    assert E.counter_increase(eng, queries) == {"ep": 250.0, "x": 0.0}
+    assert E.hit_ratio(eng) == {"ep": pytest.approx(125 / 250)}
 
 
 def test_quantile_bootstrap_matches_index_resampling():
     rng = np.random.default_rng(1)
     v = rng.lognormal(3, 1, 500)
     for q in (0.5, 0.99):
-        fast = M.quantile_bootstrap(v, q, resamples=4000, seed=3)
+        fast = R.quantile_bootstrap(v, q, resamples=4000, seed=3)
         idx = rng.integers(0, len(v), (4000, len(v)))
         slow = np.quantile(np.quantile(v[idx], q, axis=1), [0.025, 0.975])
         width = slow[1] - slow[0]
         assert fast.estimate == pytest.approx(np.quantile(v, q))
         assert abs(fast.low - slow[0]) < 0.15 * width
         assert abs(fast.high - slow[1]) < 0.15 * width
-    assert M.quantile_bootstrap(v, 0.5, seed=9) == M.quantile_bootstrap(v, 0.5, seed=9)
+    assert R.quantile_bootstrap(v, 0.5, seed=9) == R.quantile_bootstrap(v, 0.5, seed=9)
 
 
 def test_bootstrap_of_every_metric_brackets_estimate():
@@ -153,7 +158,7 @@ def test_bootstrap_of_every_metric_brackets_estimate():
                 max_size=20))
 def test_chunk_gaps_property(chunk_lists):
     offsets = [sorted(x) for x in chunk_lists]
-    got = M.chunk_gaps(pa.array(offsets, pa.list_(pa.int64()))).to_pylist()
+    got = F.chunk_gaps(pa.array(offsets, pa.list_(pa.int64()))).to_pylist()
     want = [[(b - a) / 1e6 for a, b in zip(x, x[1:])] for x in offsets]
     assert len(got) == len(want)
     for g, w in zip(got, want):
@@ -164,7 +169,7 @@ def test_chunk_gaps_property(chunk_lists):
 @given(st.lists(st.floats(0.1, 1e5), min_size=1, max_size=60), st.sampled_from(
     list(M.QUANTILES.values())))
 def test_quantile_bootstrap_properties(values, q):
-    ci = M.quantile_bootstrap(np.array(values), q, resamples=200, seed=0)
+    ci = R.quantile_bootstrap(np.array(values), q, resamples=200, seed=0)
     assert min(values) <= ci.low <= ci.high <= max(values)
     assert ci.estimate == pytest.approx(np.quantile(values, q))
 
@@ -218,7 +223,7 @@ def test_bootstrap_replicates_are_seeded_and_sized():
 def test_gap_store_keep_and_gather(rows, data):
     offsets = [sorted(x) for x, _ in rows]
     keep = np.array([k for _, k in rows])
-    g = M.GapStore.from_offsets(pa.array(offsets, pa.list_(pa.int64())), keep=keep)
+    g = F.GapStore.from_offsets(pa.array(offsets, pa.list_(pa.int64())), keep=keep)
     want = [[(b - a) / 1e6 for a, b in zip(x, x[1:])] if k else [] for x, k in
             zip(offsets, keep)]
     for got, w in zip(g.lists(), want):
@@ -226,7 +231,7 @@ def test_gap_store_keep_and_gather(rows, data):
     pick = np.array(data.draw(st.lists(st.integers(0, len(rows) - 1), max_size=10)), np.int64)
     pooled = [v for i in pick for v in want[i]]
     assert g.gather(pick).tolist() == pytest.approx(pooled, rel=1e-6, abs=1e-3)
-    both = M.GapStore.concat([g, g])
+    both = F.GapStore.concat([g, g])
     assert both.gather(np.array([len(rows) + i for i in pick], np.int64)).tolist() == \
         pytest.approx(pooled, rel=1e-6, abs=1e-3)
 
@@ -242,7 +247,7 @@ def itl_frame(lens: np.ndarray, gaps_ms: np.ndarray):
     offsets = np.zeros(len(lens) + 1, np.int64)
     np.cumsum(lens, out=offsets[1:])
     f = pd.DataFrame({"itl_row": np.arange(len(lens), dtype=np.int64)})
-    f.attrs["itl"] = M.GapStore(np.asarray(gaps_ms, np.float32), offsets)
+    f.attrs["itl"] = F.GapStore(np.asarray(gaps_ms, np.float32), offsets)
     return f
 
 
@@ -272,7 +277,7 @@ def test_itl_interval_covers_under_within_request_correlation(q, name):
     for rep in range(40):
         f = correlated_itl(1000, 20, 1.0, 0.2, seed=rep)
         ci = M.bootstrap(f, name, resamples=1000, seed=rep)
-        naive = M.quantile_bootstrap(M.itl_values(f), q, resamples=1000, seed=rep)
+        naive = R.quantile_bootstrap(F.itl_values(f), q, resamples=1000, seed=rep)
         assert ci.estimate == pytest.approx(naive.estimate)
         cluster_hits += ci.low <= truth <= ci.high
         naive_hits += naive.low <= truth <= naive.high
@@ -289,7 +294,7 @@ def test_itl_interval_on_independent_gaps_matches_the_pooled_one():
     for rep in range(12):
         f = correlated_itl(800, 20, 0.0, 1.0, seed=1000 + rep)
         ci = M.bootstrap(f, "itl_p90", resamples=1000, seed=rep)
-        naive = M.quantile_bootstrap(M.itl_values(f), 0.9, resamples=1000, seed=rep)
+        naive = R.quantile_bootstrap(F.itl_values(f), 0.9, resamples=1000, seed=rep)
         ratios.append((ci.high - ci.low) / (naive.high - naive.low))
         hits += ci.low <= truth <= ci.high
     assert 0.8 < np.median(ratios) < 1.25, ratios
@@ -315,13 +320,14 @@ def test_itl_replicates_match_explicit_request_resampling(name):
 
 def test_itl_subsampled_requests_keep_the_interval_width():
     """Above max_requests: m-out-of-n with sqrt(m/n) rescaling, close to the full bootstrap."""
+    subsampled = M.PooledGaps("itl_p50", "ITL p50", "ITL", 0.5, max_requests=800)
     ratios = []
     for rep in range(10):
         f = correlated_itl(4000, 10, 1.0, 0.3, seed=2000 + rep)
-        full = M.interval(*M.itl_replicates(f, 0.5, 1000, np.random.default_rng(rep)))
-        est, reps = M.itl_replicates(f, 0.5, 1000, np.random.default_rng(rep),
-                                     max_requests=800)
-        sub = M.interval(est, reps)
+        full = R.interval(*M.METRIC_INFO["itl_p50"].replicates(f, 1000,
+                                                               np.random.default_rng(rep)))
+        est, reps = subsampled.replicates(f, 1000, np.random.default_rng(rep))
+        sub = R.interval(est, reps)
         assert est == full.estimate == pytest.approx(M.statistic(f, "itl_p50"))
         assert sub.low <= est <= sub.high
         ratios.append((sub.high - sub.low) / (full.high - full.low))
@@ -353,8 +359,8 @@ def test_weighted_pool_quantiles_are_the_quantiles_of_the_repeated_pool(per_requ
     vals = np.array([g for x in per_request for g in x], np.float32)
     req = np.repeat(np.arange(len(lens)), lens)
     w = np.random.default_rng(seed).integers(0, 4, (6, len(lens))).astype(np.float64)
-    sg = M._SortedGaps(vals, req, len(lens))
-    got = M.weighted_pool_quantiles(sg, lens.astype(np.float64), w, q, half)
+    sg = R._SortedGaps(vals, req, len(lens))
+    got = R.weighted_pool_quantiles(sg, lens.astype(np.float64), w, q, half)
     for b in range(len(w)):
         pool = np.repeat(vals, w[b][req].astype(np.int64))
         if len(pool) == 0:

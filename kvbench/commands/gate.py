@@ -65,7 +65,7 @@ def _run(args) -> int:
         gate_cfg, slo = cfg.gate, {k: v.model_dump() for k, v in cfg.slo.items()}
         results_dir = Path(args.results_dir or cfg.suite.results_dir)
     else:
-        resolved = current.meta.get("config") or {}
+        resolved = current.meta.config
         try:
             gate_cfg = GateConfig.model_validate(resolved.get("gate") or {})
         except Exception as exc:
@@ -73,7 +73,7 @@ def _run(args) -> int:
                             "pass --config bench.toml") from None
         slo = resolved.get("slo") or {}
         results_dir = Path(args.results_dir) if args.results_dir else current_path.parent
-    suite = current.meta.get("suite")
+    suite = current.meta.suite
     base_path = _resolve_baseline(args.baseline, results_dir, suite, current_path)
     baseline = load_results(base_path)
     results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed)
@@ -102,7 +102,7 @@ def _history_rows(results, slo) -> list[dict]:
     from kvbench.reports.history import KEY_METRICS
     from kvbench.reports import metrics as M
 
-    frame = M.request_frame(results.requests, stages=results.meta.get("stages") or (), slo=slo)
+    frame = M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
     rows = []
     for ep in frame["endpoint"].cat.categories:
         sub = frame[frame["endpoint"] == ep]

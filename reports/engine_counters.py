@@ -1,0 +1,109 @@
+"""Engine counters in the ``engine`` table, read through each endpoint's engine adapter.
+
+Which metric names an endpoint's engine publishes (prefix-cache hits and queries, preemptions)
+is the adapter's knowledge (``kvbench.engines``): the adapter is detected per endpoint from the
+names in that endpoint's rows, so any registered family works, vLLM's names or llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvbench import engines
+from kvbench.engines import EngineAdapter
+
+
+def counter_delta(t_ns: np.ndarray, series: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Increase of each counter series over its samples, counting resets as restarts from 0.
+
+    Returns one delta per distinct ``series`` id (sorted ids)."""
+    if len(values) == 0:
+        return np.zeros(0)
+    order = np.lexsort((t_ns, series))
+    s, v = series[order], values[order]
+    d = np.diff(v)
+    same = s[1:] == s[:-1]
+    inc = np.where(d >= 0, d, v[1:])  # after a reset the counter counts from zero again
+    inc = np.where(same, inc, 0.0)
+    uniq, first = np.unique(s, return_index=True)
+    sums = np.add.reduceat(np.concatenate([[0.0], inc]), first) if len(inc) else np.zeros(
+        len(uniq))
+    return sums
+
+
+def counter_increase(engine: pa.Table, metric: str) -> dict[str, float]:
+    """Total increase of a counter per endpoint (summed over its label sets)."""
+    if engine.num_rows == 0:
+        return {}
+    rows = engine.filter(pc.equal(engine.column("metric"), metric))
+    if rows.num_rows == 0:
+        return {}
+    labels = [str(sorted(x)) if x else "" for x in rows.column("labels").to_pylist()]
+    ep = rows.column("endpoint").to_pylist()
+    keys = pd.Categorical([f"{e}\x00{lab}" for e, lab in zip(ep, labels)])
+    codes = np.asarray(keys.codes, np.int64)
+    deltas = counter_delta(rows.column("t_ns").to_numpy(), codes,
+                           rows.column("value").to_numpy(zero_copy_only=False))
+    out: dict[str, float] = {}
+    for code, delta in zip(np.unique(codes), deltas):
+        name = keys.categories[code].split("\x00", 1)[0]
+        out[name] = out.get(name, 0.0) + float(delta)
+    return out
+
+
+def adapters(engine: pa.Table) -> dict[str, EngineAdapter]:
+    """Per endpoint, the adapter of the engine family its scraped metric names belong to
+    (endpoints of an unknown engine are left out)."""
+    if engine.num_rows == 0:
+        return {}
+    pairs = engine.select(["endpoint", "metric"]).group_by(["endpoint", "metric"]).aggregate([])
+    names: dict[str, set[str]] = {}
+    for ep, metric in zip(pairs.column("endpoint").to_pylist(),
+                          pairs.column("metric").to_pylist()):
+        if ep is not None and metric is not None:
+            names.setdefault(str(ep), set()).add(str(metric))
+    found = {ep: engines.detect(ms) for ep, ms in names.items()}
+    return {ep: a for ep, a in found.items() if a is not None}
+
+
+def _by_counter(by_ep: dict[str, EngineAdapter], counter) -> dict[str, list[str]]:
+    """Counter name -> endpoints whose adapter names it (``counter(adapter)``)."""
+    out: dict[str, list[str]] = {}
+    for ep, a in by_ep.items():
+        name = counter(a)
+        if name:
+            out.setdefault(name, []).append(ep)
+    return out
+
+
+def _increases(engine: pa.Table, by_ep: dict[str, EngineAdapter], counter) -> dict[str, float]:
+    """Per endpoint, the increase of the counter its adapter names (``counter(adapter)``)."""
+    out: dict[str, float] = {}
+    for name, eps in _by_counter(by_ep, counter).items():
+        inc = counter_increase(engine, name)
+        out.update({ep: inc[ep] for ep in eps if ep in inc})
+    return out
+
+
+def hit_ratio(engine: pa.Table) -> dict[str, float]:
+    """Per endpoint: the engine's prefix-cache hit ratio over the run, from the increases of
+    the hit and query counters its adapter names (``EngineAdapter.hit_ratio``)."""
+    by_ep = adapters(engine)
+    hits = _increases(engine, by_ep, lambda a: a.prefix_hits if a.hit_counters() else None)
+    queries = _increases(engine, by_ep, lambda a: a.prefix_queries if a.hit_counters() else None)
+    out = {}
+    for ep, q in queries.items():
+        ratio = by_ep[ep].hit_ratio(hits.get(ep, 0.0), q)
+        if ratio is not None:
+            out[ep] = ratio
+    return out
+
+
+def preemptions(engine: pa.Table) -> dict[str, tuple[str, float]]:
+    """Per endpoint: (the counter its adapter names, its increase) for engine preemptions."""
+    by_ep = adapters(engine)
+    inc = _increases(engine, by_ep, lambda a: a.preemptions)
+    return {ep: (by_ep[ep].preemptions, v) for ep, v in inc.items()}
