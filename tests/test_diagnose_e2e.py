@@ -109,7 +109,7 @@ def test_round_robin_is_diagnosed_cache_aware_and_colocated_are_not(run_dir):
     assert "round robin" in f.cause and "prefix hash" in f.fix
     for ep in ("cache-aware", "colo"):  # nearly every reachable hit realised
         sub = d.frame[d.frame["endpoint"] == ep]
-        desc = d.runs[0]["workloads_sent"][ep]["rag"]
+        desc = d.runs[0].workloads_sent[ep]["rag"]
         assert M.hit_ratio(sub) >= 0.9 * desc["theoretical_hit_ratio_lru"]
 
 

@@ -105,7 +105,7 @@ def locust(name, server, config, results, *extra, run_time="3s", users=3):
 
 def check_run(run_dir: Path, *, want_ok: bool = True):
     res = load_results(run_dir)
-    meta = res.meta
+    meta = res.meta.to_dict()  # run.json as written
     t = pq.read_table(run_dir / "requests.parquet")
     counts = meta["counts"]
     assert counts["requests_started"] == counts["records_written"] == t.num_rows > 0

@@ -86,7 +86,7 @@ def test_open_loop_ladder_run(server, tmp_path):
     run_dir = tmp_path / "results" / "r1"
     res = load_results(tmp_path / "results" / "latest")
     assert res.path.resolve() == run_dir.resolve()
-    meta = res.meta
+    meta = res.meta.to_dict()  # run.json as written
     t = res.requests
     assert meta["counts"]["requests_started"] == meta["counts"]["records_written"] == t.num_rows
     assert [s["index"] for s in meta["stages"]] == [0, 1]
@@ -131,5 +131,5 @@ def test_closed_loop_run_with_two_processes(server, tmp_path):
     res = load_results(tmp_path / "results" / "c1")
     t = res.requests
     assert t.num_rows > 0 and len(set(t.column("worker").to_pylist())) == 2
-    assert res.meta["stages"][0]["pacing"] == "closed" and res.meta["stages"][0]["users"] == 2
+    assert res.meta.stages[0]["pacing"] == "closed" and res.meta.stages[0]["users"] == 2
     assert len(set(t.column("request_id").to_pylist())) == t.num_rows

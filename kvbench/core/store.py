@@ -112,16 +112,6 @@ class RunMeta:
         extra = d.pop("extra")
         return {**extra, **d}
 
-    # Transitional dict-style access while callers move to attributes (removed before landing).
-    def get(self, key, default=None):
-        return self.to_dict().get(key, default)
-
-    def __getitem__(self, key):
-        return self.to_dict()[key]
-
-    def __contains__(self, key) -> bool:
-        return self.to_dict().get(key) is not None
-
     @property
     def slo(self) -> dict:
         """The resolved config's ``[slo.*]`` tables: {class: {ttft_ms, tpot_ms, e2e_ms}}."""
