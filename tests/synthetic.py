@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvbench.core.schema import ENGINE, GPU, REQUESTS
-from kvbench.core.store import RunMeta, write_run_json
+from kvbench.runs.finalize import finalize
 
 T0_NS = 1_780_000_000 * 10**9  # a fixed epoch (mid 2026) so outputs are reproducible
 
@@ -224,5 +224,7 @@ def write_run(run_dir: Path, table: pa.Table, meta: dict, gpu: pa.Table | None =
         pq.write_table(gpu, run_dir / "gpu.parquet")
     if engine is not None:
         pq.write_table(engine, run_dir / "engine.parquet")
-    write_run_json(run_dir, RunMeta.from_dict(meta))
+    # through the one writer of run.json; a meta without workloads_sent stands for a run.json
+    # written before kvbench recorded it
+    finalize(run_dir, meta={"workloads_sent": None, **meta})
     return run_dir

@@ -52,3 +52,31 @@ def test_layering_contracts_hold_on_the_shipped_package(wheel, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert "BROKEN" not in p.stdout
+
+
+def test_the_wheel_alone_reports_and_ships_its_locustfiles(wheel, tmp_path):
+    """Run from the unpacked wheel, away from the checkout: templates and locustfiles are found
+    inside the package (a loader naming the checkout's folders would fail here)."""
+    from synthetic import RunShape, run_meta, synth_table, write_run
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    table, stages = synth_table(RunShape(requests_per_stage=50))
+    run = write_run(tmp_path / "run", table, run_meta(RunShape(), stages))
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+
+    def kvbench(*args):
+        return subprocess.run([sys.executable, "-m", "kvbench", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    p = subprocess.run([sys.executable, "-c", "import kvbench.reports.render as r; "
+                        "print(r.__file__)"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.stdout.strip().startswith(str(site)), p.stdout + p.stderr
+    p = kvbench("report", str(run), "-o", str(tmp_path / "r.html"))
+    assert p.returncode == 0, p.stderr
+    assert "<html" in (tmp_path / "r.html").read_text()[:2000].lower()
+    p = kvbench("locustfile", "longctx")
+    assert p.returncode == 0, p.stderr
+    path = Path(p.stdout.strip())
+    assert path.is_file() and path.is_relative_to(site) and "KVBenchUser" in path.read_text()

@@ -15,6 +15,7 @@ import pynvml
 
 from kvbench.collectors.session import start_collectors
 from kvbench.core import store
+from kvbench.runs.finalize import finalize
 from kvbench.config import CollectConfig
 from fake_nvml import FakeNvml
 
@@ -58,7 +59,7 @@ def test_builtin_disaggregated_endpoint_metrics_land_in_results(tmp_path):
     assert tel["engine:disagg"] == "ok" and tel["dcgm:disagg"] == "ok"
     assert tel["engine_family:disagg"] == "builtin"  # vLLM's names plus the emulator's own
     assert tel["nvml"].startswith("no NVML library") and out["incomplete"] == []
-    store.write_run_json(tmp_path, store.RunMeta.from_dict({"run_id": "e2e", **out}))
+    finalize(tmp_path, meta={"run_id": "e2e", **out})  # the one run.json writer
     res = store.load_results(tmp_path)
     eng = res.tables["engine"].to_pandas()
     gpu = res.tables["gpu"].to_pandas()

@@ -11,6 +11,7 @@ import pynvml
 from kvbench.collectors.agent import AgentServer
 from kvbench.collectors.session import metrics_url_for, start_collectors
 from kvbench.core import store
+from kvbench.runs.finalize import finalize
 from kvbench.config import CollectConfig
 from fake_nvml import FakeGpu, FakeNvml
 from metrics_server import MetricsServer
@@ -54,7 +55,7 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     (host, off), = out["clock_offsets_ns"].items()
     assert abs(off - 3_000_000_000) < 50_000_000
     assert not list(tmp_path.glob("*.arrows"))  # compacted
-    store.write_run_json(tmp_path, store.RunMeta.from_dict({"run_id": "t", **out}))
+    finalize(tmp_path, meta={"run_id": "t", **out})  # the one run.json writer
     res = store.load_results(tmp_path)
     gpu = res.tables["gpu"].to_pandas()
     eng = res.tables["engine"].to_pandas()
