@@ -7,18 +7,7 @@ hit ratio."""
 from __future__ import annotations
 
 from kvbench.engines.base import EngineAdapter, HttpCall, register
-from kvbench.engines.vllm import tokenize_count
-
-
-def tokenize_body(model: str, prompt: str | None, messages: list | None) -> dict:
-    """SGLang's /tokenize takes vLLM's request: ``model`` and ``prompt`` (or ``messages``)."""
-    body: dict = {"model": model}
-    if messages is not None:
-        body["messages"] = list(messages)
-    else:
-        body["prompt"] = prompt
-    return body
-
+from kvbench.engines.vllm import tokenize_body, tokenize_count  # the same /tokenize request
 
 SGLANG = register(EngineAdapter(
     name="sglang", title="SGLang", prefixes=("sglang:",),
