@@ -9,6 +9,8 @@ import logging
 import time
 from pathlib import Path
 
+import pyarrow.compute as pc
+
 from kvbench import engines
 from kvbench.core import store
 
@@ -137,18 +139,16 @@ def describe_sent_requests(run_dir: Path, workloads: dict, endpoint_cfgs=()) -> 
     """run.json ``workloads_sent``: ``{endpoint: {workload: describe}}`` over exactly the
     requests each endpoint was sent (``workloads.describe.sent_descriptions``), with the
     engine's KV block size and per-replica capacity where known (built-in options, or the
-    engine adapter's cache-config metric). Reads the compacted requests.parquet."""
-    import pyarrow.parquet as pq
-
+    engine adapter's cache-config metric). Reads the run's requests through the store."""
     from kvbench.workloads.describe import sent_descriptions
 
-    pfile = Path(run_dir) / "requests.parquet"
-    if not workloads or not pfile.exists():
+    if not workloads:
         return {}
-    have = set(pq.ParquetFile(pfile).schema_arrow.names)
-    cols = [c for c in ("endpoint", "workload", "request_id", "t_sent", "server_replica",
-                        "status", "ttft_ns") if c in have]
-    records = pq.read_table(pfile, columns=cols).to_pydict()
+    records = store.read_table(run_dir, "requests", columns=[
+        "endpoint", "workload", "request_id", "t_sent", "server_replica", "status",
+        "ttft_ns"]).to_pydict()
+    if not records["request_id"]:
+        return {}
     records["t_sent_ns"] = records.pop("t_sent")
     return sent_descriptions(records, workloads, endpoint_caches(run_dir, endpoint_cfgs))
 
@@ -163,21 +163,22 @@ def endpoint_caches(run_dir: Path, endpoint_cfgs=()) -> dict:
     except Exception:  # noqa: BLE001 - no engine samples: no capacities
         t = None
     if t is not None and t.num_rows:
-        eps = t.column("endpoint").to_pylist()
-        metrics = t.column("metric").to_pylist()
+        # the distinct (endpoint, metric) pairs name each endpoint's engine; only the rows of
+        # its cache-config metric are read into Python (engine tables run to millions of rows)
+        pairs = t.group_by(["endpoint", "metric"]).aggregate([]).to_pylist()
         names: dict[str, set] = {}
-        for ep, m in zip(eps, metrics):
-            names.setdefault(ep, set()).add(m)
-        labels = t.column("labels").to_pylist()
+        for row in pairs:
+            names.setdefault(row["endpoint"], set()).add(row["metric"])
         for ep, seen in names.items():
             adapter = engines.detect(seen)
             if adapter is None or adapter.cache_config not in seen:
                 continue
-            for e, m, lab in zip(eps, metrics, labels):
-                if e == ep and m == adapter.cache_config:
-                    geom = adapter.geometry(dict(lab or []))
-                    if geom is not None:
-                        out[ep] = {"block_tokens": geom[0], "capacity_tokens": geom[1]}
+            mask = pc.and_(pc.equal(t.column("endpoint"), ep),
+                           pc.equal(t.column("metric"), adapter.cache_config))
+            for lab in t.filter(mask).column("labels").to_pylist():
+                geom = adapter.geometry(dict(lab or []))
+                if geom is not None:
+                    out[ep] = {"block_tokens": geom[0], "capacity_tokens": geom[1]}
     for ep in endpoint_cfgs or ():
         if getattr(ep, "kind", None) != "builtin":
             continue
