@@ -279,12 +279,10 @@ def start(**opts) -> tuple[subprocess.Popen, str]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """SIGTERM, then SIGKILL (the way kvbench run stops its built-in endpoints)."""
+    from kvbench.runs.builtin import stop as stop_server
+
+    stop_server(proc)
 
 
 if __name__ == "__main__":

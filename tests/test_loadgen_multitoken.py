@@ -8,7 +8,7 @@ from pathlib import Path
 
 import orjson
 import pyarrow.parquet as pq
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stream_server as testing

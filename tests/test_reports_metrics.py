@@ -148,6 +148,7 @@ def test_bootstrap_of_every_metric_brackets_estimate():
                                        requests_per_stage=300))
     f = M.request_frame(tab, stages=stages, slo={"chat": {"ttft_ms": 80}})
     for name in M.METRICS:
+        assert M.METRIC_INFO[name].definition  # every metric names its printed definition
         ci = M.bootstrap(f, name, resamples=200, seed=1)
         assert ci.low <= ci.estimate <= ci.high or math.isclose(ci.low, ci.high), name
         assert ci.estimate == pytest.approx(M.statistic(f, name), nan_ok=True)

@@ -279,7 +279,7 @@ def test_mix_counts_classes_and_determinism():
     sess = list(wl.sessions())
     turns = 0
     for s in sess:
-        while (r := s.next_request()) is not None:
+        while s.next_request() is not None:
             turns += 1
             s.feed_response("ok")
     assert turns == len(a)

@@ -110,11 +110,6 @@ def tables_adapter() -> TypeAdapter:
     return adapter
 
 
-def parse_spec(table: Mapping) -> KindSpec:
-    """One ``[workloads.<name>]`` table as its kind's spec (raises pydantic's ValidationError)."""
-    return tables_adapter().validate_python({"_": dict(table)})["_"]
-
-
 def _build(name: str, spec: KindSpec, ctx: BuildContext):
     entry = kind_of(spec)
     problem = spec.working_set_problem(

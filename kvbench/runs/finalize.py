@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from kvbench import engines
 from kvbench.core import store
+from kvbench.reports.engine_counters import adapters as engine_adapters
 
 log = logging.getLogger("kvbench.runs")
 
@@ -163,15 +163,8 @@ def endpoint_caches(run_dir: Path, endpoint_cfgs=()) -> dict:
     except Exception:  # noqa: BLE001 - no engine samples: no capacities
         t = None
     if t is not None and t.num_rows:
-        # the distinct (endpoint, metric) pairs name each endpoint's engine; only the rows of
-        # its cache-config metric are read into Python (engine tables run to millions of rows)
-        pairs = t.group_by(["endpoint", "metric"]).aggregate([]).to_pylist()
-        names: dict[str, set] = {}
-        for row in pairs:
-            names.setdefault(row["endpoint"], set()).add(row["metric"])
-        for ep, seen in names.items():
-            adapter = engines.detect(seen)
-            if adapter is None or adapter.cache_config not in seen:
+        for ep, adapter in engine_adapters(t).items():
+            if adapter.cache_config is None:
                 continue
             mask = pc.and_(pc.equal(t.column("endpoint"), ep),
                            pc.equal(t.column("metric"), adapter.cache_config))
