@@ -190,7 +190,7 @@ class Result:
                  "status", "http_status", "error", "prompt_tokens", "completion_tokens",
                  "completion_tokens_client", "cached_tokens", "text", "server_queue_ns",
                  "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-                 "server_replica", "server_region")
+                 "server_replica", "server_region", "retry_after_s")
 
     def __init__(self) -> None:
         self.t_sent_ns = 0
@@ -213,6 +213,7 @@ class Result:
         self.server_kv_transfer_ns = None
         self.server_first_decode_ns = None
         self.server_replica = None
+        self.retry_after_s = None
         self.server_region = None
 
 

@@ -32,7 +32,7 @@ _ROW = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", 
         "cached_tokens", "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "chunk_offsets_ns",
         "chunk_tokens", "e2e_ns", "status", "http_status", "error", "server_queue_ns",
         "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-        "server_replica", "server_region")
+        "server_replica", "server_region", "retry_after_s")
 assert _ROW == COLUMNS, "loadgen row order must follow kvbench.schema.REQUESTS"
 
 
@@ -121,7 +121,7 @@ class LoadContext:
             res.connect_ns, res.ttft_ns, res.offsets_ns, res.tokens, res.e2e_ns, res.status,
             res.http_status, res.error, res.server_queue_ns, res.server_prefill_ns,
             res.server_kv_transfer_ns, res.server_first_decode_ns, res.server_replica,
-            res.server_region))
+            res.server_region, res.retry_after_s))
 
     def report(self, req, res: Result) -> None:
         """Locust's live stats: one event per metric per request (never per token)."""

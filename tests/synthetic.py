@@ -152,6 +152,7 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
         "server_first_decode_ns": pa.array((ttft * 0.1).astype(np.int64)),
         "server_replica": pa.array(replica, pa.string()),
         "server_region": pa.array(region, pa.string()),
+        "retry_after_s": pa.nulls(n, pa.float64()),
     }
     return pa.table(cols, schema=REQUESTS)
 

@@ -26,6 +26,10 @@ class LoadProfile(Strict):
     max_in_flight: int = Field(default=512, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)  # whole-request deadline
     warmup_connections: bool = True
+    # At the end of each stage (closed loop) or of the last stage (open loop), how long requests
+    # in flight may finish before they are cancelled; cancelled ones are recorded as
+    # ``cancelled`` and kept out of error rate and latency.
+    drain_s: float = Field(default=30.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _stages(self):

@@ -62,6 +62,7 @@ REQUESTS = pa.schema([
     ("server_first_decode_ns", pa.int64()),
     ("server_replica", pa.string()),
     ("server_region", pa.string()),
+    ("retry_after_s", pa.float64()),  # the server's Retry-After (seconds), when it sent one
 ])
 
 GPU = pa.schema([
