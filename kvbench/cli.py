@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(run(args) or 0)
     except UserError as exc:
-        print(f"kvbench: error: {exc}", file=sys.stderr)
+        from kvbench.core.redact import redact
+
+        print(f"kvbench: error: {redact(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("kvbench: interrupted", file=sys.stderr)

@@ -14,6 +14,7 @@ import gevent
 import gevent.lock
 from locust.runners import MasterRunner, WorkerRunner
 
+from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.core.store import worker_name
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
@@ -119,7 +120,7 @@ class LoadContext:
             res.completion_tokens, res.completion_tokens_client, res.cached_tokens,
             t_scheduled_ns if t_scheduled_ns is not None else res.t_sent_ns, res.t_sent_ns,
             res.connect_ns, res.ttft_ns, res.offsets_ns, res.tokens, res.e2e_ns, res.status,
-            res.http_status, res.error, res.server_queue_ns, res.server_prefill_ns,
+            res.http_status, redact.redact(res.error), res.server_queue_ns, res.server_prefill_ns,
             res.server_kv_transfer_ns, res.server_first_decode_ns, res.server_replica,
             res.server_region, res.retry_after_s))
 
@@ -130,7 +131,8 @@ class LoadContext:
         n = res.completion_tokens or 0
         if res.status != "ok":
             fire(request_type="LLM", name=f"e2e {cls}", response_time=(res.e2e_ns or 0) / 1e6,
-                 response_length=n, exception=RuntimeError(f"{res.status}: {res.error}"),
+                 response_length=n,
+                 exception=RuntimeError(redact.redact(f"{res.status}: {res.error}")),
                  context={})
             return
         fire(request_type="LLM", name=f"e2e {cls}", response_time=res.e2e_ns / 1e6,

@@ -14,6 +14,7 @@ import gevent
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
+from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.loadgen.context import LoadContext, fail, get_context
 from kvbench.loadgen.options import has_kvbench_options, job_from_options, run_id
@@ -31,6 +32,8 @@ def kvbench_users(environment) -> list:
 def on_init(environment, **kw) -> None:
     """A single process builds its context now, so workload generation is not charged to the
     run time (workers wait for the master's run id and worker count: see on_test_start)."""
+    # Locust's handlers (root, locust, its stats table) write no known secret
+    redact.install_log_filter("", "locust", "locust.stats_logger")
     runner = environment.runner
     if not has_kvbench_options(environment.parsed_options) or runner is None or \
             isinstance(runner, (MasterRunner, WorkerRunner)):

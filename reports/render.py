@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from kvbench.core import redact
 from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
@@ -182,7 +183,7 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
         "endpoints": [{"name": ep, "topology": (d.endpoints.get(ep) or {}).get("topology")
                        or _mode(per_ep[ep]["topology"]),
                        "model": (d.endpoints.get(ep) or {}).get("model"),
-                       "url": (d.endpoints.get(ep) or {}).get("url"),
+                       "url": redact.redact_url((d.endpoints.get(ep) or {}).get("url")),
                        "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
                        "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost")}
                       for ep in eps],
@@ -198,8 +199,8 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
         "figures": figures,
         "slo": d.slo,
         "definitions": M.DEFINITIONS,
-        "config_json": json.dumps(d.runs[0].config if d.runs else {}, indent=2,
-                                  sort_keys=True, default=str),
+        "config_json": json.dumps(redact.public_config(d.runs[0].config if d.runs else {}),
+                                  indent=2, sort_keys=True, default=str),
         "versions": {k: v for r in d.runs for k, v in r.versions.items()},
         "git_commits": sorted({str(r.git_commit) for r in d.runs if r.git_commit}),
         "hosts": sorted({str(h) for r in d.runs for h in r.hosts}),

@@ -9,6 +9,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
 from kvbench.config.load import LoadProfile
+from kvbench.core import redact
 from kvbench.reports.spec import SLO, GateConfig
 from kvbench.workloads import registry
 from kvbench.workloads.specs import KindSpec, Strict
@@ -39,14 +40,10 @@ class BenchConfig(Strict):
         return registry.tables_adapter().validate_python(v)
 
     def public_dump(self) -> dict:
-        """The resolved config for run.json and reports, with header values that look like
-        credentials masked (keys belong in the environment, never in results)."""
-        data = self.model_dump(mode="json", by_alias=True)
-        for ep in data.get("endpoints", []):
-            for k in list((ep.get("headers") or {})):
-                if any(w in k.lower() for w in ("auth", "key", "token", "secret", "cookie")):
-                    ep["headers"][k] = "***"
-        return data
+        """The resolved config for run.json and reports: every header value masked (names
+        kept; any header may carry a credential) and every known secret and URL userinfo
+        redacted (keys belong in the environment, never in results)."""
+        return redact.public_config(self.model_dump(mode="json", by_alias=True))
 
     def endpoint(self, name: str):
         for ep in self.endpoints:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
 from kvbench import engines
+from kvbench.core import redact
 from kvbench.workloads.specs import Strict
 
 DEFAULT_CONTEXT_TOKENS = 131072
@@ -45,6 +47,18 @@ class OpenAIEndpoint(Strict):
     def _url(self):
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url {self.url!r} must start with http:// or https://")
+        return self
+
+    @model_validator(mode="after")
+    def _secrets(self):
+        """Register this endpoint's secrets (header values, URL password, the key in
+        ``api_key_env``) so whatever this process writes has them redacted."""
+        for v in self.headers.values():
+            redact.add_header(v)
+        redact.add_url(self.url)
+        redact.add_url(self.metrics_url)
+        if self.api_key_env:
+            redact.add(os.environ.get(self.api_key_env))
         return self
 
     @field_validator("engine")

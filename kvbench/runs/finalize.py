@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from kvbench.core import store
+from kvbench.core import redact, store
 from kvbench.reports.engine_counters import adapters as engine_adapters
 
 log = logging.getLogger("kvbench.runs")
@@ -75,6 +75,7 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         "workloads_sent": sent,
     }
     data.update(meta or {})
+    data = redact.redact_obj(data)  # no known secret, header value or URL userinfo is written
     run_meta = store.RunMeta.from_dict(data)
     store.write_run_json(run_dir, run_meta)
     log.info("kvbench: %d records in %s", rows, run_dir)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.core.store import new_run_id
 
@@ -57,7 +58,7 @@ class JobEndpoint:
 
     def record(self) -> dict:
         """run.json ``endpoints[]`` entry."""
-        return {"name": self.name, "topology": self.topology, "url": self.url,
+        return {"name": self.name, "topology": self.topology, "url": redact.redact_url(self.url),
                 "model": self.model, "kind": self.kind, "gpus": self.gpus,
                 "gpu_hour_cost": self.gpu_hour_cost,
                 "max_context_tokens": self.max_context_tokens, "metrics_url": self.metrics_url}
@@ -158,6 +159,11 @@ class Job:
         secret = environ.get(SECRET_HEADERS_ENV)
         if secret:
             job.secret_headers = json.loads(secret)
+        for v in job.secret_headers.values():  # this process writes text: know its secrets
+            redact.add_header(v)
+        if job.endpoint.api_key_env:
+            redact.add(environ.get(job.endpoint.api_key_env))
+        redact.add_url(job.endpoint.url)
         return job
 
 
@@ -257,6 +263,7 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         raise UserError("no target: pass --host http://HOST:PORT (or --kvbench-endpoint of "
                         "an openai endpoint with a url)")
     host = host.rstrip("/")
+    redact.add_url(host)  # a password in --host is a secret too
     specs: dict = {}
     cfg_eff = cfg
     if ":" not in workload:
