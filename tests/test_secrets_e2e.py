@@ -190,7 +190,17 @@ def test_no_planted_secret_in_any_output_of_run_locust_and_report(server, tmp_pa
                  str(loc / "locust.html"), "--logfile", str(loc / "locust.log")],
                 tmp_path, "locust")
     assert (loc / "stats_failures.csv").exists(), lrun.stderr[-2000:]
-    for rid in ("kvrun", "plain"):
+    # and with no config at all: only the key, from --kvbench-api-key-env
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    brun = _run([sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / "longctx.py"),
+                 "--headless", "--host", server, "-u", "1", "-r", "1", "-t", "2s",
+                 "--kvbench-workload", "chat", "--kvbench-api-key-env", KEY_ENV,
+                 "--kvbench-results", str(tmp_path / "results"), "--kvbench-run-id", "bare",
+                 "--csv", str(bare / "stats"), "--html", str(bare / "locust.html")],
+                tmp_path, "locust-bare")
+    assert (bare / "stats_failures.csv").exists(), brun.stderr[-2000:]
+    for rid in ("kvrun", "plain", "bare"):
         rep = _run(kv + ["report", str(tmp_path / "results" / rid), "-o",
                          str(tmp_path / f"report-{rid}.html")], tmp_path, f"report-{rid}")
         assert rep.returncode == 0, rep.stderr[-2000:]
@@ -211,7 +221,9 @@ def test_no_planted_secret_in_any_output_of_run_locust_and_report(server, tmp_pa
     errors = [r["error"] for r in rows if r["status"] == "http_error"]
     assert errors and all(e.startswith("HTTP 401: Incorrect API key provided: Bearer ")
                           for e in errors)
-    assert "Incorrect API key provided" in (loc / "stats_failures.csv").read_text()
+    for d in (loc, bare):
+        assert "Incorrect API key provided: Bearer <redacted>" in \
+            (d / "stats_failures.csv").read_text()
     assert pc.returncode != 0 or "creds" in pc.stdout
 
     found = hits(tmp_path)
