@@ -95,6 +95,7 @@ profile = "closed"
 name = "vendor"
 kind = "openai"
 url = "{url}"
+metrics_url = "http://kvuser:{url_password}@{host}/metrics"
 model = "m"
 api_key_env = "{key_env}"
 headers = {{ X-Password = "{password}", X-Custom = "Bearer {custom}", x-route = "eu" }}
@@ -131,7 +132,8 @@ def server():
 def _config(tmp: Path, name: str, url: str) -> Path:
     path = tmp / f"{name}.toml"
     path.write_text(CONFIG.format(results=tmp / "results", url=url, key_env=KEY_ENV,
-                                  password=PASSWORD, custom=CUSTOM))
+                                  password=PASSWORD, custom=CUSTOM, url_password=URL_PASSWORD,
+                                  host=url.split("://", 1)[1]))
     return path
 
 
@@ -225,6 +227,7 @@ def test_no_planted_secret_in_any_output_of_run_locust_and_report(server, tmp_pa
         assert "Incorrect API key provided: Bearer <redacted>" in \
             (d / "stats_failures.csv").read_text()
     assert pc.returncode != 0 or "creds" in pc.stdout
+    assert "scrape of http://<redacted>@" in run.stderr  # its metrics_url has a password
 
     found = hits(tmp_path)
     table = "\n".join(f"  {f}: {h}" for f, h in found.items())

@@ -61,7 +61,8 @@ class JobEndpoint:
         return {"name": self.name, "topology": self.topology, "url": redact.redact_url(self.url),
                 "model": self.model, "kind": self.kind, "gpus": self.gpus,
                 "gpu_hour_cost": self.gpu_hour_cost,
-                "max_context_tokens": self.max_context_tokens, "metrics_url": self.metrics_url}
+                "max_context_tokens": self.max_context_tokens,
+                "metrics_url": redact.redact_url(self.metrics_url)}
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Job:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("secret_headers")
-        return d
+        return redact.redact_obj(d)  # no URL password (the client never sends one) or secret
 
     @classmethod
     def from_dict(cls, d: dict) -> "Job":

@@ -3,6 +3,14 @@ what could not start is noted in run.json's ``telemetry`` and ``incomplete``."""
 
 from __future__ import annotations
 
+import sys
+
+from kvbench.core.redact import redact
+
+
+def _log(msg: str) -> None:
+    print(redact(msg), file=sys.stderr, flush=True)  # a metrics_url may hold a password
+
 
 def start(run_dir, cfg, jobs, notes: dict):
     """The collectors' session for the endpoints of ``jobs``, or None (reason in ``notes``:
@@ -19,7 +27,7 @@ def start(run_dir, cfg, jobs, notes: dict):
         eps.setdefault(e.name, {"name": e.name, "url": e.url, "topology": e.topology,
                                 "metrics_url": e.metrics_url, "engine": e.engine})
     try:
-        return start_collectors(run_dir, cfg.collect, list(eps.values()))
+        return start_collectors(run_dir, cfg.collect, list(eps.values()), log=_log)
     except Exception as exc:  # noqa: BLE001 - load still runs without telemetry
         notes["telemetry"]["collectors"] = f"failed to start: {exc}"
         notes["incomplete"].append({"what": "telemetry", "why": str(exc)[:200]})
