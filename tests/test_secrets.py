@@ -68,6 +68,8 @@ def test_escaped_forms_are_redacted():
     for form in (key, json.dumps(key)[1:-1], "sk-a%22b%2Fc%3Cd%3E%26e%20f",
                  "sk-a&quot;b/c&lt;d&gt;&amp;e f"):
         assert form not in redact.redact(f"body: {form}!"), form
+    redact.add("sk-exported-with-newline\n")
+    assert redact.redact("key sk-exported-with-newline.") == f"key {MARK}."
 
 
 def test_short_values_are_not_secrets_and_nothing_registered_is_a_no_op():

@@ -42,8 +42,10 @@ _SCHEME = re.compile(r"^[A-Za-z][\w.-]*\s+(\S+)$")  # "Bearer <token>", "Basic <
 
 
 def add(value) -> None:
-    """Register one secret value (and its JSON-, HTML- and URL-escaped forms)."""
+    """Register one secret value (and its stripped, JSON-, HTML- and URL-escaped forms)."""
     global _pattern, _ordered
+    if isinstance(value, str) and value != value.strip():
+        add(value.strip())  # a key exported with a newline is echoed without it
     if not isinstance(value, str) or len(value) < MIN_CHARS or value in MARK:
         return
     forms = {value, json.dumps(value)[1:-1], html.escape(value), quote(value, safe="")}
