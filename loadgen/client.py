@@ -376,9 +376,8 @@ class StreamingClient:
             conn = _drop(conn)
         except (socket.timeout, TimeoutError):
             res.status = "timeout"
-            res.error = (f"no connection within {self.pool.connect_timeout_s:g} s"
-                         if res.t_sent_ns == 0 else
-                         _timeout_text(res, self.pool.read_timeout_s, False))
+            res.error = _timeout_text(res, self.pool.connect_timeout_s if res.t_sent_ns == 0
+                                      else self.pool.read_timeout_s, False)
             conn = _drop(conn)
         except (OSError, EOFError) as exc:
             res.status = "disconnected"
@@ -587,6 +586,8 @@ def retry_after_s(value: bytes, now_s: float | None = None) -> float | None:
 def _timeout_text(res: Result, limit_s: float, deadline: bool) -> str:
     """One text per kind of silence, whichever timer noticed it: the read timeout and the
     request deadline are often equal, and a stall must read the same either way."""
+    if res.t_sent_ns == 0:
+        return f"no connection within {limit_s:g} s"
     if res.http_status is None:
         return f"no response within {limit_s:g} s of the send"
     if deadline:

@@ -326,3 +326,40 @@ def test_read_timeout_shorter_than_the_deadline_names_the_read_timeout(emulator)
     assert (r.status, r.error) == ("timeout", "the response stopped: no bytes for 0.2 s (the "
                                               "read timeout)")
     assert r.offsets_ns  # the tokens before the stall are kept
+
+
+def test_connect_that_never_completes_reads_as_no_connection(monkeypatch):
+    # a connect that hangs (a black-holed address): the deadline, then the connect timeout
+    def hang(*a, **k):
+        gevent.sleep(10)
+
+    monkeypatch.setattr(client_mod.gsocket, "create_connection", hang)
+    r = client("http://127.0.0.1:9", deadline_s=0.2).post_stream("/v1/completions", BODY)
+    assert (r.status, r.error) == ("timeout", "no connection within 0.2 s")
+
+    def slow(*a, **k):
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(client_mod.gsocket, "create_connection", slow)
+    pool = ConnectionPool(Target.parse("http://127.0.0.1:9"), connect_timeout_s=3)
+    r = StreamingClient(pool, deadline_s=5).post_stream("/v1/completions", BODY)
+    assert (r.status, r.error) == ("timeout", "no connection within 3 s")
+
+
+def test_locust_against_a_refused_port_prints_no_traceback(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "loadgen/longctx.py", "--headless", "--host",
+         f"http://127.0.0.1:{port}", "-u", "10", "-r", "10", "-t", "2s", "--only-summary",
+         "--kvbench-model", "m", "--kvbench-results", str(tmp_path)],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out  # was one gevent traceback per user (10)
+    assert out.count("kvbench: cannot open a connection to") == 1, out
+    assert "disconnected: ConnectionRefusedError: [Errno 111] Connection refused" in out
