@@ -69,6 +69,7 @@ class Cluster:
         if cross:
             seq.network_ms = cfg.cross_region_rtt_ms
             delay_ms += cfg.cross_region_rtt_ms
+        seq.model_first_s += delay_ms * scale
         # The real time already spent reading and tokenising counts toward the front end.
         delay = delay_ms * scale - (asyncio.get_running_loop().time() - seq.t_arrival)
         if delay > 0:
@@ -92,6 +93,7 @@ class Cluster:
         self._link_free[src.name] = start + wire_ms * scale
         done = start + total_ms * scale
         seq.kv_transfer_ms = total_ms
+        seq.model_first_s += total_ms * scale
         tier = "rdma" if cfg.link == "rdma" else "tcp"
         src.move(tier, "send", seq.n_prompt * self.res.kv_bytes_per_token, total_ms * scale)
         dst.move(tier, "receive", seq.n_prompt * self.res.kv_bytes_per_token, 0.0)

@@ -186,6 +186,12 @@ class Engine:
             self.model_step_s += wall
             self.actual_step_s += end - start
             self._prev_deadline = deadline
+            for s in decodes:
+                if s.t_first is None:
+                    s.model_first_s += wall
+            for s, _ in prefills:
+                if s.t_first is None:
+                    s.model_first_s += wall
             self.steps += 1
             self.busy_s += wall
             if ms > 0:

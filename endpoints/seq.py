@@ -16,7 +16,8 @@ class Seq:
                  "held", "anon", "cached_tokens", "load_ms", "first_admit", "waiter",
                  "finished", "error", "cancelled", "replica", "region", "prefilled",
                  "t_arrival", "t_scheduled", "t_prefill_done", "t_transfer_done", "t_first",
-                 "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms", "sink")
+                 "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms", "sink",
+                 "model_first_s")
 
     def __init__(self, rid: str, n_prompt: int, hashes: list[int], max_tokens: int,
                  t_arrival: float):
@@ -45,6 +46,10 @@ class Seq:
         self.t_transfer_done = None
         self.t_first = None
         self.t_done = None
+        # modelled wall seconds to its first token: front end, network, KV transfer and the
+        # steps it took part in, as planned (waits behind other requests and a busy host's
+        # late wake-ups are not in it)
+        self.model_first_s = 0.0
         self.preemptions = 0
         self.engine: Engine | None = None
         self.kv_transfer_ms = 0.0

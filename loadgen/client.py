@@ -9,9 +9,11 @@ did arrive together). Connection setup is timed apart (``connect_ns``) and never
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
 import _socket
@@ -21,14 +23,20 @@ from gevent import socket as gsocket
 from gevent.hub import get_hub
 
 from kvbench.loadgen.openai import StreamState, error_message
-from kvbench.loadgen.sse import SSEParser
+from kvbench.loadgen.sse import MAX_LINE_BYTES, SSEParser
 
+log = logging.getLogger("kvbench.loadgen")
 _mono = time.perf_counter_ns
 _epoch = time.time_ns
 # Under glibc's 128 KiB mmap threshold: a 256 KiB recv buffer cost an mmap, mremap and munmap
 # per read (13 us a chunk, measured with strace); 64 KiB still holds ~500 chunks.
 RECV_BYTES = 65536
 ERROR_BODY_BYTES = 65536
+# Limits on what a server may make the client hold (over them: a protocol_error, never a
+# buffer that grows until the deadline). ``StreamingClient(max_header_bytes=...,
+# max_line_bytes=...)`` changes them; the SSE line limit (16 MiB) is ``sse.MAX_LINE_BYTES``.
+MAX_HEADER_BYTES = 64 << 10  # status line and headers together; real servers send < 2 KiB
+MAX_CHUNK_LINE_BYTES = 4096  # a chunk-size line (hex size plus extensions)
 
 # Response headers of the built-in endpoints (ms floats) -> record columns (ns).
 SERVER_MS_HEADERS = {
@@ -44,7 +52,9 @@ class DeadlineExceeded(gevent.Timeout):
 
 
 class _Stale(Exception):
-    """A reused keep-alive connection was closed by the server before answering."""
+    """A keep-alive connection taken from the pool was closed by the server before it sent a
+    byte of the response (servers close idle ones: llama-server does): the request was not
+    started, so it is sent again, once, on a fresh connection."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +85,11 @@ class Connection:
     ``recv`` (EAGAIN exception), no Waiter or watcher start/stop, no timer per wait (the read
     timeout is ``_IdleTimer``)."""
 
-    __slots__ = ("sock", "uses", "raw", "rwatch", "hub")
+    __slots__ = ("sock", "pooled", "raw", "rwatch", "hub")
 
     def __init__(self, sock) -> None:
         self.sock = sock
-        self.uses = 0
+        self.pooled = False  # True once it has waited in the pool (the server may close it)
         raw = getattr(sock, "_sock", None)  # gevent keeps the kernel socket here (non-blocking)
         if isinstance(raw, _socket.socket) and raw.gettimeout() == 0.0:
             self.hub = get_hub()
@@ -166,17 +176,33 @@ class ConnectionPool:
         if self.cold:
             conn.close()
         else:
+            conn.pooled = True
             self.idle.append(conn)
 
     def warm(self, n: int) -> int:
-        """Open up to ``n`` idle connections now, before measurement; returns how many."""
+        """Open up to ``n`` idle connections now, before measurement; returns how many. A
+        failure is logged once per distinct error (the requests then fail and are recorded),
+        never as a traceback per greenlet."""
         if self.cold:
             return 0
-        jobs = [gevent.spawn(self.open) for _ in range(max(0, n - len(self.idle)))]
+        jobs = [gevent.spawn(self._try_open) for _ in range(max(0, n - len(self.idle)))]
         gevent.joinall(jobs)
-        ok = [j.value for j in jobs if j.successful()]
+        ok = []
+        for j in jobs:
+            if isinstance(j.value, Connection):
+                j.value.pooled = True
+                ok.append(j.value)
+            elif j.value is not None:
+                _log_once(f"kvbench: cannot open a connection to {self.target.scheme}://"
+                          f"{self.target.host_header}: {_os_error_text(j.value)}")
         self.idle.extend(ok)
         return len(ok)
+
+    def _try_open(self) -> Connection | Exception:
+        try:
+            return self.open()
+        except (OSError, ValueError) as exc:  # ValueError: TLS setup refused the target
+            return exc
 
     def close(self) -> None:
         while self.idle:
@@ -190,7 +216,7 @@ class Result:
                  "status", "http_status", "error", "prompt_tokens", "completion_tokens",
                  "completion_tokens_client", "cached_tokens", "text", "server_queue_ns",
                  "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-                 "server_replica", "server_region", "retry_after_s")
+                 "server_replica", "server_region", "retry_after_s", "resent")
 
     def __init__(self) -> None:
         self.t_sent_ns = 0
@@ -215,6 +241,7 @@ class Result:
         self.server_replica = None
         self.retry_after_s = None
         self.server_region = None
+        self.resent = False  # sent again on a fresh connection after a stale pooled one
 
 
 class ChunkedDecoder:
@@ -250,6 +277,9 @@ class ChunkedDecoder:
             elif rem == 0:
                 i = buf.find(b"\r\n", pos)
                 if i < 0:
+                    if n - pos > MAX_CHUNK_LINE_BYTES:
+                        raise ValueError("chunked encoding: a chunk-size line longer than "
+                                         f"{MAX_CHUNK_LINE_BYTES} bytes")
                     break
                 size = int(buf[pos:i].split(b";", 1)[0], 16)
                 pos = i + 2
@@ -262,6 +292,9 @@ class ChunkedDecoder:
             else:  # trailer lines, then the empty line that ends the message
                 i = buf.find(b"\r\n", pos)
                 if i < 0:
+                    if n - pos > MAX_HEADER_BYTES:
+                        raise ValueError("chunked encoding: a trailer line longer than "
+                                         f"{MAX_HEADER_BYTES} bytes")
                     break
                 empty = i == pos
                 pos = i + 2
@@ -292,9 +325,13 @@ class StreamingClient:
     """Sends one streaming request at a time per call; share it between greenlets freely."""
 
     def __init__(self, pool: ConnectionPool, *, headers: dict[str, str] | None = None,
-                 deadline_s: float = 600.0, tokenizer=None) -> None:
+                 deadline_s: float = 600.0, tokenizer=None,
+                 max_header_bytes: int = MAX_HEADER_BYTES,
+                 max_line_bytes: int = MAX_LINE_BYTES) -> None:
         self.pool = pool
         self.deadline_s = deadline_s
+        self.max_header_bytes = max_header_bytes
+        self.max_line_bytes = max_line_bytes  # one SSE line or event
         self.tokenizer = tokenizer  # estimates tokens of multi-token chunks (None: built-in)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._head_tail = (f"Host: {pool.target.host_header}\r\n"
@@ -323,7 +360,11 @@ class StreamingClient:
             try:
                 conn = self._exchange(conn, payload, res, keep_text)
             except _Stale:
-                conn.close()
+                # The server closed the pooled connection before answering; ``t_sent`` becomes
+                # the resend's and ``connect_ns`` adds the new connection's setup.
+                conn = _drop(conn)
+                res.t_sent_ns = res.t_sent_mono_ns = 0
+                res.resent = True
                 t0 = _mono()
                 conn = self.pool.open()
                 res.connect_ns += _mono() - t0
@@ -331,15 +372,16 @@ class StreamingClient:
         except DeadlineExceeded as exc:
             if exc is not timer:
                 raise
-            res.status, res.error = "timeout", f"no complete response within {self.deadline_s:g} s"
+            res.status, res.error = "timeout", _timeout_text(res, self.deadline_s, True)
             conn = _drop(conn)
         except (socket.timeout, TimeoutError):
             res.status = "timeout"
-            res.error = f"no bytes for {self.pool.read_timeout_s:g} s (socket timeout)"
+            res.error = _timeout_text(res, self.pool.connect_timeout_s if res.t_sent_ns == 0
+                                      else self.pool.read_timeout_s, False)
             conn = _drop(conn)
         except (OSError, EOFError) as exc:
             res.status = "disconnected"
-            res.error = f"{type(exc).__name__}: {exc}"[:200]
+            res.error = _os_error_text(exc)[:200]
             conn = _drop(conn)
         except ValueError as exc:  # a malformed HTTP response
             res.status, res.error = "protocol_error", str(exc)[:200]
@@ -360,8 +402,7 @@ class StreamingClient:
                   keep_text: bool) -> Connection | None:
         """One request/response on ``conn``; returns the connection if it can be reused."""
         sock = conn.sock
-        reused = conn.uses > 0
-        conn.uses += 1
+        reused = conn.pooled
         res.t_sent_ns = _epoch()
         t0 = res.t_sent_mono_ns = _mono()
         try:
@@ -389,6 +430,8 @@ class StreamingClient:
         """Reads and accounts for the response; ``wait`` (None for TLS) yields until the raw
         socket is readable, ``recv`` then never blocks."""
         buf = b""
+        got = False  # any byte of a response yet (a stale connection sends none)
+        limit = self.max_header_bytes
         while True:  # status line and headers
             try:
                 if wait is not None:
@@ -396,27 +439,36 @@ class StreamingClient:
                 data = recv(RECV_BYTES)
             except BlockingIOError:  # a spurious wakeup
                 continue
-            except ConnectionResetError:
-                if reused and not buf:
+            except TimeoutError:
+                raise
+            except OSError:  # reset by the peer (or, for TLS, an EOF in the TLS layer)
+                if reused and not got:
                     raise _Stale() from None
                 raise
             t = _mono()
             if idle is not None:
                 idle.last_ns = t
             if not data:
-                if reused and not buf:
+                if reused and not got:
                     raise _Stale()
                 raise EOFError("connection closed before the response headers")
+            got = True
+            scan = max(0, len(buf) - 3)  # only the new bytes (and 3 before) can end the block
             buf += data
-            i = buf.find(b"\r\n\r\n")
-            if i < 0:
-                continue
-            status, headers = _header_block(buf[:i])
-            rest = buf[i + 4:]
-            if 100 <= status < 200:  # interim response; the real one follows
-                buf = rest
+            i = buf.find(b"\r\n\r\n", scan)
+            while 0 <= i <= limit:
+                status, headers = _header_block(buf[:i])
+                buf = buf[i + 4:]
+                if not 100 <= status < 200:
+                    break
+                i = buf.find(b"\r\n\r\n")  # an interim response; the real one follows
+            else:
+                if len(buf) > limit:
+                    raise ValueError(f"the response headers exceeded {limit:,} bytes without "
+                                     "ending (the client's limit, max_header_bytes)")
                 continue
             break
+        rest = buf
         res.http_status = status
         for name, col in SERVER_MS_HEADERS.items():
             v = headers.get(name)
@@ -429,6 +481,8 @@ class StreamingClient:
             res.server_replica = headers[b"x-kvbench-replica"].decode("latin-1")
         if b"x-kvbench-region" in headers:
             res.server_region = headers[b"x-kvbench-region"].decode("latin-1")
+        if b"retry-after" in headers:
+            res.retry_after_s = retry_after_s(headers[b"retry-after"])
 
         chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         length = None if chunked else headers.get(b"content-length")
@@ -437,7 +491,7 @@ class StreamingClient:
         dechunk = ChunkedDecoder() if chunked else None
         ctype = headers.get(b"content-type", b"").lower()
         streaming = status == 200 and b"text/event-stream" in ctype
-        parser = SSEParser()
+        parser = SSEParser(self.max_line_bytes)
         state = StreamState(t0, keep_text, self.tokenizer)
         res.offsets_ns, res.tokens = state.offsets_ns, state.tokens  # kept if it fails midway
         errbody = []
@@ -508,6 +562,52 @@ class StreamingClient:
             conn.close()
             return None
         return conn
+
+
+def retry_after_s(value: bytes, now_s: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait: delay-seconds or an HTTP-date (RFC 9110
+    section 10.2.3); a date in the past is 0; None when it is neither."""
+    text = value.decode("latin-1").strip()
+    try:
+        secs = float(text)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None or when.tzinfo is None:
+            return None
+        secs = when.timestamp() - (time.time() if now_s is None else now_s)
+    if secs != secs or secs in (float("inf"), float("-inf")):
+        return None
+    return max(0.0, secs)
+
+
+def _timeout_text(res: Result, limit_s: float, deadline: bool) -> str:
+    """One text per kind of silence, whichever timer noticed it: the read timeout and the
+    request deadline are often equal, and a stall must read the same either way."""
+    if res.t_sent_ns == 0:
+        return f"no connection within {limit_s:g} s"
+    if res.http_status is None:
+        return f"no response within {limit_s:g} s of the send"
+    if deadline:
+        return f"the response did not end within {limit_s:g} s (the request deadline)"
+    return f"the response stopped: no bytes for {limit_s:g} s (the read timeout)"
+
+
+def _os_error_text(exc: BaseException) -> str:
+    """``ConnectionRefusedError: [Errno 111] Connection refused`` (no gevent internals)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(line: str) -> None:
+    """Log ``line`` the first time this process sees it (many users fail alike)."""
+    if line not in _LOGGED:
+        _LOGGED.add(line)
+        log.warning(line)
 
 
 def _recv_when_readable(recv, wait) -> bytes:

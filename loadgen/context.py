@@ -22,6 +22,7 @@ from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
 from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, cycle_requests, shard
 from kvbench.loadgen.sink import COLUMNS, RecordSink
+from kvbench.loadgen.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
 from kvbench.workloads.tokenizer import get_tokenizer
 
@@ -52,6 +53,7 @@ class LoadContext:
         self.model = ep.model
         self.headers = job.headers()
         self.tokenizer = get_tokenizer(job.tokenizer)  # sizes multi-token chunks too
+        self.tokcheck = token_check(environment, self.tokenizer.name)  # plain locust runs
         self.workload = workload if workload is not None else job.build_workload(self.tokenizer)
         self.workload_name = getattr(self.workload, "name", job.workload)
         self.pacing = job.pacing
@@ -110,6 +112,10 @@ class LoadContext:
                 res.t_sent_ns = time.time_ns()
             self.record(req, res, t_scheduled_ns, stage)
         self.report(req, res)
+        if self.tokcheck is not None and res.status == "ok":
+            err = self.tokcheck.observe(req.prompt_tokens, res.prompt_tokens)
+            if err is not None:
+                fail(self.environment, err)
         return res
 
     def record(self, req, res: Result, t_scheduled_ns: int | None, stage: int) -> None:

@@ -19,6 +19,8 @@ chunks: nothing in such a stream says how many tokens a chunk held.
 
 from __future__ import annotations
 
+from html.parser import HTMLParser
+
 import orjson
 from orjson import JSONDecodeError
 from orjson import loads as _loads
@@ -50,12 +52,58 @@ def request_body(req, model: str, *, include_usage: bool = True, ignore_eos: boo
 
 def error_message(body: bytes, limit: int = 200) -> str:
     """A short text for an error response body (OpenAI ``{"error": {...}}``, vLLM
-    ``{"object": "error", ...}`` or plain text)."""
+    ``{"object": "error", ...}``, a proxy's HTML page (its title) or plain text)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body[:limit].decode("utf-8", "replace").strip()
+        if _looks_html(body):
+            return html_summary(body)[:limit]
+        return " ".join(body[:limit].decode("utf-8", "replace").split())
     return _error_text(obj)[:limit] if isinstance(obj, dict) else str(obj)[:limit]
+
+
+def _looks_html(body: bytes) -> bool:
+    head = body[:512].lstrip().lower()
+    return head.startswith(b"<") and any(t in head for t in (b"<html", b"<!doctype html",
+                                                             b"<head", b"<title", b"<body"))
+
+
+class _PageText(HTMLParser):
+    """The title of an HTML page, and its visible text (scripts and styles left out)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.title: list[str] = []
+        self.text: list[str] = []
+        self._in: list[str] = []
+
+    def handle_starttag(self, tag, attrs) -> None:
+        if tag in ("title", "script", "style"):
+            self._in.append(tag)
+
+    def handle_endtag(self, tag) -> None:
+        if self._in and self._in[-1] == tag:
+            self._in.pop()
+
+    def handle_data(self, data) -> None:
+        where = self._in[-1] if self._in else None
+        if where == "title":
+            self.title.append(data)
+        elif where is None:
+            self.text.append(data)
+
+
+def html_summary(body: bytes) -> str:
+    """``502 Bad Gateway (an HTML page)``: the page's title, else its first visible text."""
+    page = _PageText()
+    try:
+        page.feed(body[:65536].decode("utf-8", "replace"))
+        page.close()
+    except (AssertionError, ValueError):  # HTMLParser's complaints on broken markup
+        pass
+    title = " ".join("".join(page.title).split())
+    text = title or " ".join(" ".join(page.text).split())[:120]
+    return f"{text} (an HTML page)" if text else "an HTML page without text"
 
 
 def _error_text(obj: dict) -> str:

@@ -49,7 +49,8 @@ def _chunk(payload: bytes) -> bytes:
 
 class Server:
     def __init__(self, ttft_ms: float, itl_ms: float, style: str, model: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, prompt_token_scale: float = 1.0) -> None:
+        self.scale = prompt_token_scale  # usage/tokenize count scale x the built-in count
         self.ttft_s = ttft_ms / 1000
         self.itl_s = itl_ms / 1000
         self.style = style
@@ -74,8 +75,8 @@ class Server:
         if "messages" in body:
             from kvbench.workloads.tokenizer import render_chat_builtin
 
-            return self.count(render_chat_builtin(body["messages"]))
-        return self.count(body.get("prompt") or "")
+            return round(self.scale * self.count(render_chat_builtin(body["messages"])))
+        return round(self.scale * self.count(body.get("prompt") or ""))
 
     async def ticker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -240,7 +241,8 @@ class Server:
 
 
 async def _main(args) -> None:
-    srv = Server(args.ttft_ms, args.itl_ms, args.style, args.model, args.max_model_len)
+    srv = Server(args.ttft_ms, args.itl_ms, args.style, args.model, args.max_model_len,
+                 args.prompt_token_scale)
     server = await asyncio.start_server(srv.handle, args.host, args.port, backlog=4096)
     port = server.sockets[0].getsockname()[1]
     asyncio.get_running_loop().create_task(srv.ticker())
@@ -261,6 +263,9 @@ def main(argv=None) -> None:
     p.add_argument("--style", choices=["vllm", "llamacpp"], default="vllm")
     p.add_argument("--model", default="test-model")
     p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--prompt-token-scale", type=float, default=1.0,
+                   help="count prompt tokens as this many times the built-in tokenizer does "
+                        "(a server whose tokenizer is not the client's)")
     asyncio.run(_main(p.parse_args(argv)))
 
 

@@ -224,3 +224,65 @@ def test_malformed_chunks_are_protocol_errors_not_exceptions():
         s.on_events([chat("a"), (None, bad), (None, b"[DONE]")], 1)
         status, err = s.settle(True)
         assert status == "protocol_error" and "malformed chunk" in err, bad
+
+
+# --- linear time and the line limit
+
+import pytest  # noqa: E402
+
+from kvbench.loadgen.sse import MAX_LINE_BYTES, SSELimitError  # noqa: E402
+
+
+def split_at(stream, cuts):
+    cuts = sorted(set(cuts))
+    return [stream[a:b] for a, b in zip([0] + cuts, cuts + [len(stream)])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), line_end), min_size=1, max_size=4), st.data())
+def test_long_lines_any_split_and_empty_reads(lines, data):
+    stream = b"".join(b"data: " + b"y" * n + eol + eol for n, eol in lines)
+    expected = [(None, b"y" * n) for n, _ in lines]
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=40))
+    pieces = split_at(stream, cuts)
+    # empty reads anywhere (a CR that ended the last read must still pair with the next LF)
+    for i in sorted(data.draw(st.lists(st.integers(0, len(pieces)), max_size=5)), reverse=True):
+        pieces.insert(i, b"")
+    assert parse_all(pieces) == expected
+    assert parse_all([stream]) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(8, 300), st.sampled_from(["line", "event"]), st.booleans(), st.data())
+def test_the_limit_holds_at_any_split(limit, shape, over, data):
+    size = limit + (1 if over else 0)
+    if shape == "line":  # one line of ``size`` bytes, the "data: " field name included
+        stream = b"data: " + b"z" * (size - 6) + b"\n\n"
+    else:  # ``size`` empty data lines: an event of size - 1 newlines, counted a byte each
+        stream = b"data\n" * size + b"\n"
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=10))
+    p = SSEParser(max_line_bytes=limit)
+    try:
+        for piece in split_at(stream, cuts):
+            p.feed(piece)
+        p.finish()
+        raised = False
+    except SSELimitError as exc:
+        raised = True
+        assert f"longer than {limit:,} bytes" in str(exc)
+    assert raised == (size > limit)
+
+
+def test_default_limit_and_a_40_mib_line_in_small_reads():
+    assert MAX_LINE_BYTES == 16 << 20
+    line = b"data: " + b"x" * (40 << 20) + b"\n\n"
+    p = SSEParser(max_line_bytes=64 << 20)
+    out = []
+    for i in range(0, len(line), 16384):
+        out.extend(p.feed(line[i:i + 16384]))
+    assert out == [(None, line[6:-2])]
+    p = SSEParser()
+    with pytest.raises(SSELimitError, match="longer than 16,777,216 bytes"):
+        for i in range(0, len(line), 16384):
+            p.feed(line[i:i + 16384])
+    assert not p.pending  # what it held is dropped
