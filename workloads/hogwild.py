@@ -17,17 +17,22 @@ from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, LengthDist, const
+from kvbench.workloads.specs import (MAX_REQUESTS, MAX_SESSION_TURNS, KindSpec, LengthDist,
+                                     const)
 
 
 class HogwildSpec(KindSpec):
     kind: Literal["hogwild"] = "hogwild"
-    tasks: int = Field(default=2, gt=0)
-    workers: int = Field(default=4, gt=0)
-    steps_per_worker: int = Field(default=4, gt=0)
+    tasks: int = Field(default=2, gt=0, le=MAX_REQUESTS)
+    # workers share one transcript in one process: thousands already exceed any GPU batch
+    workers: int = Field(default=4, gt=0, le=10_000)
+    steps_per_worker: int = Field(default=4, gt=0, le=MAX_SESSION_TURNS)
     task_tokens: LengthDist = const(512)
     step_output_tokens: LengthDist = LengthDist(dist="lognormal", mean=64, sigma=0.3, min=8,
                                                 max=256)
+
+    def planned_requests(self) -> int:
+        return self.tasks * self.workers * self.steps_per_worker
 
     def max_output_upper(self) -> float:
         return self.step_output_tokens.upper

@@ -19,7 +19,7 @@ from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for
 from kvbench.workloads.prompt import Assembler
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec
+from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, KindSpec
 
 FORMATS = ("mooncake", "azure", "lmcache_agent")
 
@@ -28,11 +28,12 @@ class TraceSpec(KindSpec):
     kind: Literal["trace"] = "trace"
     format: Literal["mooncake", "azure", "lmcache_agent"]
     path: str  # a file, or for lmcache_agent a directory of session files
-    speedup: float = Field(default=1.0, gt=0)  # 2.0 replays twice as fast
-    limit: int | None = Field(default=None, gt=0)
-    jitter_s: float = Field(default=0.0, ge=0)  # spreads Mooncake's 3 s timestamp steps
+    # 2.0 replays twice as fast; past 1e6 a day of trace is sent in under a tenth of a second
+    speedup: float = Field(default=1.0, gt=0, le=1e6)
+    limit: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
+    jitter_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS)  # spreads Mooncake's 3 s steps
     skip_bad_lines: bool = False
-    max_output_tokens: int | None = Field(default=None, gt=0)  # clip replayed outputs
+    max_output_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)  # clip outputs
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
 
