@@ -115,7 +115,7 @@ class AzureTrace(TraceWorkload):
             messages, prompt, total, _ = self.asm.build([("user", [Piece(text, body)])])
         else:
             messages, prompt = None, text
-            total = body if self.asm.builtin else self.tokenizer.count(text)
+            total = body if self.asm.builtin else self.tokenizer.count_prompt(text)
         rid = f"{self.name}-{self.lines[i]:06d}"
         return Request(
             request_id=rid, request_class="trace",

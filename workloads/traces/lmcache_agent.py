@@ -159,9 +159,10 @@ class LMCacheAgentTrace(TraceWorkload):
                                                                  shared=(0, 1))
             else:
                 messages, prompt = None, r.input
-                total = self.tokenizer.count(r.input)
-                shared = self.tokenizer.count(head) - int(self.asm.builtin
-                                                          and merges(head, tail))
+                tok = self.tokenizer
+                total = tok.count_prompt(r.input)
+                shared = tok.leading_special_tokens + tok.count(head) - int(
+                    self.asm.builtin and merges(head, tail))
             if cut == 0:
                 shared = 0
             out[i] = Request(

@@ -151,7 +151,8 @@ class MooncakeTrace(TraceWorkload):
         """Completions: the blocks' text itself, no template."""
         if self.asm.builtin:
             return None, text, body, shared_body
-        return None, text, self.tokenizer.count(text), shared_body
+        tok = self.tokenizer
+        return None, text, tok.count_prompt(text), tok.leading_special_tokens + shared_body
 
     def describe_blocks(self, block_tokens: int | None = None) -> Iterator[tuple]:
         """(prompt_tokens, max_tokens, block keys, block_tokens) per request in send order,
