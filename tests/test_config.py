@@ -141,3 +141,16 @@ def test_bounds_leave_the_real_sizes_alone(tmp_path):
            "stages = [{ rate_rps = 1000.0, duration_s = 604800 }]\n")
     cfg = load_config(_write(tmp_path, big))
     assert cfg.workloads["big"].requests == 10_000_000
+
+
+@pytest.mark.parametrize("workloads", ["-1", "[1]", "{ x = [1] }", "{ x = { kind = [\"chat\"] } }",
+                                       "{ x = { kind = { a = 1 } } }", "\"mix\""])
+def test_workloads_of_the_wrong_type_are_one_sentence(tmp_path, workloads):
+    p = tmp_path / "bench.toml"
+    p.write_text(f"workloads = {workloads}\n"
+                 "[[endpoints]]\nname = \"e\"\nkind = \"builtin\"\ntopology = \"colocated\"\n"
+                 "[profiles.p]\nstages = [{ users = 1, duration_s = 1 }]\n")
+    with pytest.raises(UserError) as ei:  # was a TypeError/AttributeError traceback
+        load_config(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: field workloads") and "\n" not in msg and msg.endswith(".")
