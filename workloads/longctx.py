@@ -18,12 +18,13 @@ from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import MAX_REQUESTS, MAX_SESSION_TURNS, KindSpec, LengthDist
+from kvbench.workloads.specs import MAX_ACTIVE_SESSIONS, MAX_SESSION_TURNS, KindSpec, LengthDist
 
 
 class LongctxSpec(KindSpec):
     kind: Literal["longctx"] = "longctx"
-    contracts: int = Field(default=4, gt=0, le=MAX_REQUESTS)
+    # "interleave" keeps every contract's session active at once
+    contracts: int = Field(default=4, gt=0, le=MAX_ACTIVE_SESSIONS)
     contract_tokens: LengthDist = LengthDist(dist="uniform", mean=32768, min=16384, max=32768)
     questions_per_contract: int = Field(default=4, gt=0, le=MAX_SESSION_TURNS)
     question_tokens: LengthDist = LengthDist(dist="lognormal", mean=32, sigma=0.3, min=8, max=128)

@@ -13,8 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 # Bounds no real suite reaches: past them a value is a typo, and a generator asked for it would
 # exhaust memory or run for months. Every kind's table is held to them at load time.
 MAX_REQUESTS = 10_000_000  # requests one table generates: over a day at 100 req/s
-MAX_TOKENS = 10_000_000  # tokens in one prompt or output: the longest context windows served
+MAX_TOKENS = 10_000_000  # tokens of one prompt or output: the longest context windows served
 MAX_SESSION_TURNS = 10_000  # turns, questions or steps of one session
+# sessions a generator keeps active at once (round robin): 100,000 long contracts are billions
+# of tokens of unique KV, past any cache tier
+MAX_ACTIVE_SESSIONS = 100_000
 MAX_SECONDS = 7 * 86400.0  # any duration or think time: a week
 MAX_STRING = 4096  # characters of any text field (PATH_MAX on Linux)
 
