@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MUTATIONS = 1200
 MEMORY_CAP_BYTES = 3 << 30  # address space of the fuzzing process: a blow-up hits it at once
 BUILD_SECONDS = 10  # one config's builds; beyond it counts as a hang
+CLI_SAMPLES = 4  # loaded and rejected mutations also run through `kvbench workloads describe`
 
 _HUGE = "x" * 200_000
 _GARBAGE = [
@@ -181,7 +182,9 @@ def run_fuzz(seed: int, n: int) -> dict:
     counts = {"loaded": 0, "rejected": 0, "tracebacks": 0, "bad_messages": 0,
               "memory": 0, "hangs": 0, "build_rejected": 0, "non_finite": 0}
     problems: list[str] = []
-    tmp = Path(tempfile.mkdtemp(prefix="kvbench-fuzz-"))
+    tmp_dir = tempfile.TemporaryDirectory(prefix="kvbench-fuzz-")
+    tmp = Path(tmp_dir.name)
+    samples: dict[str, list[str]] = {"loaded": [], "rejected": []}
     for i in range(n):
         if i % 10 == 9:
             text = _text_damage(rng, base_text)
@@ -193,6 +196,8 @@ def run_fuzz(seed: int, n: int) -> dict:
             cfg = load_config(path)
         except UserError as exc:
             counts["rejected"] += 1
+            if len(samples["rejected"]) < CLI_SAMPLES and i % 7 == 0:
+                samples["rejected"].append(text)
             msg = str(exc)
             if "\n" in msg or str(path) not in msg or len(msg) > 1000 or not msg.endswith("."):
                 counts["bad_messages"] += 1
@@ -203,6 +208,8 @@ def run_fuzz(seed: int, n: int) -> dict:
             problems.append(f"#{i} traceback: {traceback.format_exc(limit=3)[-400:]}")
             continue
         counts["loaded"] += 1
+        if len(samples["loaded"]) < CLI_SAMPLES:
+            samples["loaded"].append(text)
         if not _finite(cfg.model_dump()):
             counts["non_finite"] += 1
             problems.append(f"#{i} loaded with an inf or nan")
@@ -224,7 +231,9 @@ def run_fuzz(seed: int, n: int) -> dict:
             problems.append(f"#{i} build traceback: {traceback.format_exc(limit=3)[-400:]}")
         finally:
             signal.alarm(0)
+    tmp_dir.cleanup()
     counts["problems"] = problems[:20]
+    counts["samples"] = samples
     return counts
 
 
@@ -246,13 +255,14 @@ def _copy(data):
     return data
 
 
-def test_fuzzed_configs_load_or_are_one_sentence():
+def test_fuzzed_configs_load_or_are_one_sentence(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, __file__, "11", str(MUTATIONS)], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.splitlines()[-1])
     problems = "\n".join(counts.pop("problems"))
+    samples = counts.pop("samples")
     assert counts["tracebacks"] == 0, problems
     assert counts["bad_messages"] == 0, problems
     assert counts["memory"] == 0 and counts["hangs"] == 0, problems
@@ -260,9 +270,23 @@ def test_fuzzed_configs_load_or_are_one_sentence():
     # the mutations reach both sides: most are rejected, some still load and build
     assert counts["rejected"] > MUTATIONS // 2 and counts["loaded"] > 20, counts
     assert time.monotonic() - t0 < 600
+    # the command line says the same in one line, exit code 2, for a sample of each side
+    for i, text in enumerate(samples["rejected"] + samples["loaded"]):
+        path = tmp_path / f"cli-{i}.toml"
+        path.write_text(text, encoding="utf-8")
+        p = subprocess.run([sys.executable, "-m", "kvbench", "workloads", "describe", "--config",
+                            str(path), "--limit", "3", "--json"], capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+        assert "Traceback" not in p.stderr, p.stderr[-2000:]
+        if i < len(samples["rejected"]):
+            assert p.returncode == 2 and p.stderr.count("\n") == 1 and str(path) in p.stderr
+        else:
+            assert p.returncode in (0, 2), p.stderr  # 2: e.g. a tokenizer path that is absent
 
 
 if __name__ == "__main__":
     out = run_fuzz(int(sys.argv[1]) if len(sys.argv) > 1 else 11,
                    int(sys.argv[2]) if len(sys.argv) > 2 else MUTATIONS)
+    if "--figures" in sys.argv:
+        out.pop("samples")
     print(json.dumps(out))

@@ -3,6 +3,7 @@ is one sentence naming the file, the field and the fix, raised as ``UserError``.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def _loc(loc: tuple) -> str:
             out += f"[{part}]"
         else:
             part = _clip(part, 40)
-            out += ("." if out else "") + (part if part.isidentifier() else repr(part))
+            plain = re.fullmatch(r"[\w.-]+", part, re.ASCII)
+            out += ("." if out else "") + (part if plain else repr(part))
     return out or "(top level)"
 
 
