@@ -291,7 +291,8 @@ def test_empty_or_header_only_trace_is_an_error(tmp_path, fmt, content):
 
 
 def test_all_lines_skipped_is_an_error_naming_the_first(tmp_path):
-    with pytest.raises(UserError, match=r"all 2 of its lines are malformed, the first: .*t\.jsonl:1"):
+    with pytest.raises(UserError,
+                       match=r"all 2 of its lines are malformed, the first: .*t\.jsonl:1"):
         trace(tmp_path, "mooncake", "{oops\n[1]\n", skip_bad_lines=True)
 
 
