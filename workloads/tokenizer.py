@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -264,7 +265,8 @@ def _special_tokens(config: dict) -> dict:
 
 def _compile_template(text: str, path: Path):
     """A chat template compiled the way transformers compiles it (sandboxed, trim_blocks and
-    lstrip_blocks, loop controls, ``raise_exception``, a ``tojson`` that keeps non-ASCII)."""
+    lstrip_blocks, loop controls, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
+    non-ASCII)."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -280,6 +282,7 @@ def _compile_template(text: str, path: Path):
                                         extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.2's date
     try:
         return env.from_string(text)
     except jinja2.TemplateError as exc:
