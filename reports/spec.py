@@ -1,30 +1,49 @@
 """The report's and the gate's part of bench.toml: per-class SLOs (``[slo.<class>]``) and the
-gate rules (``[gate]``). Imports only pydantic, so the config and the reports share one schema."""
+gate rules (``[gate]``). Imports pydantic (and, to check a rule's metric, the metric registry
+when a rule is validated), so the config and the reports share one schema."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_DAY_MS = 86_400_000.0  # an SLO above a day is a typo (the request deadline caps at a day)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False,
+                              str_max_length=4096)
 
 
 class SLO(_Strict):
-    ttft_ms: float | None = Field(default=None, gt=0)
-    tpot_ms: float | None = Field(default=None, gt=0)
-    e2e_ms: float | None = Field(default=None, gt=0)
+    ttft_ms: float | None = Field(default=None, gt=0, le=_DAY_MS)
+    tpot_ms: float | None = Field(default=None, gt=0, le=_DAY_MS)
+    e2e_ms: float | None = Field(default=None, gt=0, le=_DAY_MS)
 
 
 class GateRule(_Strict):
-    metric: str  # e.g. ttft_p99, tpot_p50, e2e_p95, goodput_rps, error_rate
+    metric: str  # a name of reports.metrics.METRIC_INFO: ttft_p99, goodput_rps, error_rate...
     request_class: str = Field(default="*", alias="class")
     endpoint: str = "*"
-    max_increase_pct: float | None = Field(default=None, ge=0)
-    max_decrease_pct: float | None = Field(default=None, ge=0)
+    # a change beyond a million percent (or a fall beyond 100%) cannot be a tolerance
+    max_increase_pct: float | None = Field(default=None, ge=0, le=1e6)
+    max_decrease_pct: float | None = Field(default=None, ge=0, le=100)
     max_value: float | None = None  # absolute ceiling, in the metric's own unit
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              allow_inf_nan=False, str_max_length=4096)
+
+    @field_validator("metric")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        from kvbench.reports.metrics import METRIC_INFO, metric_name
+        from kvbench.core.errors import UserError
+
+        try:
+            metric_name(v)
+        except UserError:
+            raise ValueError(f"{v[:40]!r} is not a metric; use one of "
+                             f"{', '.join(sorted(METRIC_INFO))}") from None
+        return v
 
     @model_validator(mode="after")
     def _one(self):
@@ -36,6 +55,7 @@ class GateRule(_Strict):
 
 
 class GateConfig(_Strict):
-    rules: list[GateRule] = Field(default_factory=list)
+    rules: list[GateRule] = Field(default_factory=list, max_length=1000)
     confidence: float = Field(default=0.95, gt=0.5, lt=1)
-    bootstrap_resamples: int = Field(default=1000, ge=100)
+    # intervals settle long before 100,000 resamples; each costs a pass over the requests
+    bootstrap_resamples: int = Field(default=1000, ge=100, le=100_000)

@@ -85,3 +85,72 @@ def test_trace_path_is_relative_to_the_config(tmp_path):
     cfg = load_config(_write(tmp_path, "[workloads.tr]\nkind = \"trace\"\nformat = \"mooncake\"\n"
                                        "path = \"t.jsonl\"\n"))
     assert cfg.workloads["tr"].path == str(tmp_path / "t.jsonl")
+
+
+@pytest.mark.parametrize("old, new, field", [
+    ("requests = 240\n", "requests = 240000000000\n", "workloads.mix.requests"),
+    ("{ rate_rps = 2.0, duration_s = 10 }", "{ rate_rps = 2.0, duration_s = 1e18 }",
+     "profiles.ladder.stages[0].duration_s"),
+    ("{ rate_rps = 2.0,", "{ rate_rps = 9.2e18,", "profiles.ladder.stages[0].rate_rps"),
+    ("ttft_ms = 500", "ttft_ms = inf", "slo.chat.ttft_ms"),
+    ("tpot_ms = 50", "tpot_ms = nan", "slo.chat.tpot_ms"),
+    ("[slo.rag]", "[slo.rga]", "slo"),
+    ('metric = "ttft_p50"', 'metric = ""', "gate.rules[0].metric"),
+    ('metric = "tpot_p50"', 'metric = "tpot_p5O"', "gate.rules[1].metric"),
+    ("[workloads.chat]", "[workloads.\"os:system\"]", "workloads"),
+    ('workload = "chat"', 'workload = "os:system"', "workloads.mix.components[0].workload"),
+    ("sessions = 8\nturns = 4", "sessions = 8000000\nturns = 4000", "workloads.agent"),
+    ("mean = 256 }", "mean = 256, sigma = 1e300 }", "workloads.rag.chunk_tokens.sigma"),
+    ('workloads = ["mix"]', "workloads = -1", "suite.workloads"),
+    ("max_in_flight = 256", "max_in_flight = 1e400", "profiles.ladder.max_in_flight"),
+])
+def test_absurd_or_unknown_values_are_one_sentence(tmp_path, old, new, field):
+    text = (ROOT / "bench.toml").read_text()
+    assert old in text
+    p = tmp_path / "bench.toml"
+    p.write_text(text.replace(old, new, 1))
+    with pytest.raises(UserError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: field {field}") and msg.count("\n") == 0 and msg.endswith(".")
+
+
+def test_unknown_slo_class_names_the_known_ones(tmp_path):
+    with pytest.raises(UserError) as ei:
+        load_config(_write(tmp_path, "[slo.chta]\nttft_ms = 100\n"))
+    assert "[slo.chta]" in str(ei.value) and "'chat'" in str(ei.value)
+    # a class becomes known with a workload that produces it (hogwild requests are "hogwild")
+    cfg = load_config(_write(tmp_path, "[workloads.h]\nkind = \"hogwild\"\n"
+                                       "[slo.hogwild]\nttft_ms = 100\n"))
+    assert cfg.slo["hogwild"].ttft_ms == 100
+
+
+def test_gate_metric_spellings_the_gate_accepts_still_load(tmp_path):
+    text = (ROOT / "bench.toml").read_text().replace('metric = "ttft_p50"',
+                                                     'metric = "ttft_p99.9"')
+    p = tmp_path / "bench.toml"
+    p.write_text(text)
+    assert load_config(p).gate.rules[0].metric == "ttft_p99.9"
+
+
+def test_bounds_leave_the_real_sizes_alone(tmp_path):
+    big = ("[workloads.big]\nkind = \"chat\"\nrequests = 10000000\n"
+           "prompt_tokens = { dist = \"lognormal\", mean = 2000, sigma = 1.5 }\n"
+           "output_tokens = { dist = \"constant\", mean = 100 }\n"
+           "[profiles.soak]\npacing = \"poisson\"\n"
+           "stages = [{ rate_rps = 1000.0, duration_s = 604800 }]\n")
+    cfg = load_config(_write(tmp_path, big))
+    assert cfg.workloads["big"].requests == 10_000_000
+
+
+@pytest.mark.parametrize("workloads", ["-1", "[1]", "{ x = [1] }", "{ x = { kind = [\"chat\"] } }",
+                                       "{ x = { kind = { a = 1 } } }", "\"mix\""])
+def test_workloads_of_the_wrong_type_are_one_sentence(tmp_path, workloads):
+    p = tmp_path / "bench.toml"
+    p.write_text(f"workloads = {workloads}\n"
+                 "[[endpoints]]\nname = \"e\"\nkind = \"builtin\"\ntopology = \"colocated\"\n"
+                 "[profiles.p]\nstages = [{ users = 1, duration_s = 1 }]\n")
+    with pytest.raises(UserError) as ei:  # was a TypeError/AttributeError traceback
+        load_config(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: field workloads") and "\n" not in msg and msg.endswith(".")

@@ -273,3 +273,167 @@ def test_real_lmcache_agent():
     s = describe(mini)
     assert s["theoretical_hit_ratio_unbounded"] > 0.85
     assert s["shared_prefix_ratio"] > 0.85
+
+
+# ---------------------------------------------------------------- damaged and empty traces
+
+@pytest.mark.parametrize("fmt, content", [
+    ("mooncake", ""), ("mooncake", "\n\n"), ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n"),
+    ("azure", ""), ("lmcache_agent", {"a.jsonl": [""]}),
+    ("lmcache_agent", {"a.jsonl": [json.dumps({"timestamp": 1, "input": "", "output": "x"})]}),
+])
+def test_empty_or_header_only_trace_is_an_error(tmp_path, fmt, content):
+    with pytest.raises(UserError) as ei:
+        trace(tmp_path, fmt, content)
+    msg = str(ei.value)
+    assert str(tmp_path) in msg and "\n" not in msg
+    assert "no requests" in msg or "empty" in msg
+
+
+def test_all_lines_skipped_is_an_error_naming_the_first(tmp_path):
+    with pytest.raises(UserError,
+                       match=r"all 2 of its lines are malformed, the first: .*t\.jsonl:1"):
+        trace(tmp_path, "mooncake", "{oops\n[1]\n", skip_bad_lines=True)
+
+
+@pytest.mark.parametrize("line, field", [
+    (_mc(1e30, 10, 5, [1]), "timestamp"),
+    (_mc(-1, 10, 5, [1]), "timestamp"),
+    (_mc(True, 10, 5, [1]), "timestamp"),
+    (_mc(0, 10, True, [1]), "output_length"),
+    (_mc(0, 10, 5.0, [1]), "output_length"),
+    (_mc(0, 10, 10**12, [1]), "output_length"),
+    (_mc(0, True, 5, [1]), "input_length"),
+    (_mc(0, 10**12, 5, [1]), "input_length"),
+    (_mc(0, 10, 5, [True]), "hash_ids"),
+])
+def test_mooncake_rejects_damaged_fields(tmp_path, line, field):
+    good = _mc(0, 10, 5, [1])
+    with pytest.raises(UserError, match=rf"t\.jsonl:2: {field} "):
+        trace(tmp_path, "mooncake", good + "\n" + line + "\n")
+
+
+@pytest.mark.parametrize("sid", [1.5, True, None, 7, "", "x" * 300])
+def test_lmcache_rejects_a_session_id_that_is_not_a_name(tmp_path, sid):
+    line = json.dumps({"timestamp": 1, "input": "a", "output": "b", "session_id": sid})
+    with pytest.raises(UserError, match=r"a\.jsonl:1: session_id "):
+        trace(tmp_path, "lmcache_agent", {"a.jsonl": [line]})
+
+
+@pytest.mark.parametrize("ts", [1e30, -5, True, "1"])
+def test_lmcache_rejects_damaged_timestamps(tmp_path, ts):
+    line = json.dumps({"timestamp": ts, "input": "a", "output": "b", "session_id": "s"})
+    with pytest.raises(UserError, match=r"a\.jsonl:1: timestamp "):
+        trace(tmp_path, "lmcache_agent", {"a.jsonl": [line]})
+
+
+# Values a damaged line may hold in any field, besides sane ones.
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                 st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5),
+                 st.lists(st.integers(0, 5), max_size=3))
+
+
+def _mc_valid(rec) -> bool:
+    ts, n_in, n_out, ids = (rec.get(k) for k in ("timestamp", "input_length", "output_length",
+                                                 "hash_ids"))
+    return (type(ts) in (int, float) and 0 <= ts <= 366 * 86400e3
+            and type(n_in) is int and 0 < n_in <= 10**7
+            and type(n_out) is int and 0 <= n_out <= 10**7
+            and isinstance(ids, list) and all(type(h) is int for h in ids)
+            and len(ids) == -(-n_in // 512))
+
+
+_mc_record = st.fixed_dictionaries({}, optional={
+    "timestamp": st.one_of(st.integers(0, 10**9), _ANY),
+    "input_length": st.one_of(st.integers(1, 1500), _ANY),
+    "output_length": st.one_of(st.integers(0, 100), _ANY),
+    "hash_ids": st.one_of(st.lists(st.integers(0, 9), min_size=1, max_size=3), _ANY)})
+
+
+@settings(max_examples=150, deadline=None)
+@given(recs=st.lists(_mc_record, min_size=1, max_size=6), skip=st.booleans())
+def test_mooncake_property_damaged_lines(tmp_path_factory, recs, skip):
+    d = tmp_path_factory.mktemp("mcd")
+    (d / "t.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    valid = [_mc_valid(r) for r in recs]
+    spec = TraceSpec(format="mooncake", path=str(d / "t.jsonl"), skip_bad_lines=skip,
+                     api="completions")
+    if all(valid) or (skip and any(valid)):
+        wl = build_spec("p", spec, TOK, 0)
+        reqs = list(wl.requests())
+        assert sorted(r.prompt_tokens for r in reqs) == sorted(
+            r["input_length"] for r, ok in zip(recs, valid) if ok)
+        assert wl.skipped_lines == valid.count(False)
+        return
+    with pytest.raises(UserError) as ei:
+        build_spec("p", spec, TOK, 0)
+    msg = str(ei.value)
+    assert "\n" not in msg and str(d / "t.jsonl") in msg
+    if not skip:
+        assert f"t.jsonl:{valid.index(False) + 1}: " in msg
+
+
+_lm_record = st.fixed_dictionaries({"input": st.one_of(st.text("ab ", min_size=1, max_size=8),
+                                                       _ANY),
+                                    "output": st.one_of(st.just("ok"), _ANY)}, optional={
+    "timestamp": st.one_of(st.integers(0, 2 * 10**15), _ANY),
+    "session_id": st.one_of(st.sampled_from(["s1", "s2"]), _ANY)})
+
+
+def _lm_kind(rec) -> str:
+    """"bad" (a malformed line), "empty" (skipped record) or "ok"."""
+    ts, i, o = rec.get("timestamp"), rec.get("input"), rec.get("output")
+    sid = rec.get("session_id", "file")
+    if type(ts) not in (int, float) or not 0 <= ts <= 4_102_444_800e6:
+        return "bad"
+    if not isinstance(sid, str) or not sid.strip() or len(sid) > 256:
+        return "bad"
+    if not isinstance(i, (str, type(None))) or not isinstance(o, (str, type(None))):
+        return "bad"
+    return "ok" if i and o else "empty"
+
+
+@settings(max_examples=150, deadline=None)
+@given(recs=st.lists(_lm_record, min_size=1, max_size=6), skip=st.booleans())
+def test_lmcache_property_damaged_lines(tmp_path_factory, recs, skip):
+    d = tmp_path_factory.mktemp("lmd")
+    (d / "a.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    kinds = [_lm_kind(r) for r in recs]
+    spec = TraceSpec(format="lmcache_agent", path=str(d), skip_bad_lines=skip)
+    if "ok" in kinds and (skip or "bad" not in kinds):
+        wl = build_spec("p", spec, TOK, 0)
+        assert len(list(wl.requests())) == kinds.count("ok")
+        assert wl.skipped_lines == kinds.count("bad")
+        assert wl.skipped_records == kinds.count("empty")
+        return
+    with pytest.raises(UserError) as ei:
+        build_spec("p", spec, TOK, 0)
+    msg = str(ei.value)
+    assert "\n" not in msg and str(d) in msg
+    if not skip and "bad" in kinds:
+        assert f"a.jsonl:{kinds.index('bad') + 1}: " in msg
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.tuples(
+    st.one_of(st.just("2023-11-16 18:17:03.97"), st.text("0123456789-: .x", max_size=26)),
+    st.one_of(st.integers(1, 5000).map(str), st.text("0123456789-x", max_size=12)),
+    st.one_of(st.integers(0, 500).map(str), st.text("0123456789-x", max_size=12))),
+    max_size=5), skip=st.booleans())
+def test_azure_property_damaged_rows(tmp_path_factory, rows, skip):
+    d = tmp_path_factory.mktemp("az")
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"{t},{c},{g}\n" for t, c, g in rows)
+    (d / "t.csv").write_text(text)
+    spec = TraceSpec(format="azure", path=str(d / "t.csv"), skip_bad_lines=skip)
+    try:
+        wl = build_spec("p", spec, TOK, 0)
+    except UserError as exc:
+        msg = str(exc)
+        assert "\n" not in msg and str(d / "t.csv") in msg
+        return
+    reqs = list(wl.requests())
+    assert 1 <= len(reqs) <= len(rows)
+    assert all(0 < r.prompt_tokens for r in reqs)
+    offs = [r.arrival_offset_s for r in reqs]
+    assert offs == sorted(offs) and offs[0] == 0.0

@@ -17,15 +17,16 @@ from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, LengthDist
+from kvbench.workloads.specs import (MAX_REQUESTS, MAX_SESSION_TURNS, MAX_TOKENS, KindSpec,
+                                     LengthDist)
 
 
 class AgentSpec(KindSpec):
     kind: Literal["agent"] = "agent"
-    sessions: int = Field(default=16, gt=0)
-    turns: int = Field(default=6, gt=0)
-    system_prompt_tokens: int = Field(default=512, ge=0)
-    tool_schema_tokens: int = Field(default=1024, ge=0)
+    sessions: int = Field(default=16, gt=0, le=MAX_REQUESTS)
+    turns: int = Field(default=6, gt=0, le=MAX_SESSION_TURNS)
+    system_prompt_tokens: int = Field(default=512, ge=0, le=MAX_TOKENS)
+    tool_schema_tokens: int = Field(default=1024, ge=0, le=MAX_TOKENS)
     task_tokens: LengthDist = LengthDist(dist="lognormal", mean=96, sigma=0.5, min=16, max=512)
     tool_result_tokens: LengthDist = LengthDist(dist="lognormal", mean=384, sigma=0.7, min=16,
                                                 max=4096)
@@ -33,6 +34,9 @@ class AgentSpec(KindSpec):
     think_time_s: LengthDist = LengthDist(dist="uniform", mean=0.5, min=0.1, max=1.0)
 
     sizable: ClassVar[bool] = True
+
+    def planned_requests(self) -> int:
+        return self.sessions * self.turns
 
     def max_output_upper(self) -> float:
         return self.output_tokens.upper

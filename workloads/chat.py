@@ -15,16 +15,19 @@ from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, LengthDist
+from kvbench.workloads.specs import MAX_REQUESTS, KindSpec, LengthDist
 
 
 class ChatSpec(KindSpec):
     kind: Literal["chat"] = "chat"
-    requests: int = Field(default=200, gt=0)
+    requests: int = Field(default=200, gt=0, le=MAX_REQUESTS)
     prompt_tokens: LengthDist = LengthDist(dist="lognormal", mean=180, sigma=0.8, min=8,
                                            max=4096)
     output_tokens: LengthDist = LengthDist(dist="lognormal", mean=200, sigma=0.7, min=8,
                                            max=1024)
+
+    def planned_requests(self) -> int:
+        return self.requests
 
     def max_prompt_upper(self) -> float:
         return self.prompt_tokens.upper

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from kvbench.workloads.base import Request, Session
-from kvbench.workloads.specs import LengthDist
+from kvbench.workloads.specs import MAX_TOKENS, LengthDist
 from kvbench.workloads.text import TextFactory, key_seed
 from kvbench.workloads.tokenizer import BuiltinTokenizer, Tokenizer
 
@@ -24,10 +24,11 @@ def rng_for(seed: int, *parts: object) -> np.random.Generator:
 
 def sample(dist: LengthDist, rng: np.random.Generator, n: int, *,
            integer: bool = True) -> np.ndarray:
-    """``n`` draws of ``dist`` clipped to [min, max]; int64 token counts, or float64 seconds
-    with ``integer=False``. ``lognormal`` takes ``mean`` as the median (exp of the log mean)."""
+    """``n`` draws of ``dist`` clipped to [min, max] (no max: the schema's bound on any length,
+    so a wide lognormal never overflows); int64 token counts, or float64 seconds with
+    ``integer=False``. ``lognormal`` takes ``mean`` as the median (exp of the log mean)."""
     lo = float(dist.min)
-    hi = math.inf if dist.max is None else float(dist.max)
+    hi = float(MAX_TOKENS if dist.max is None else dist.max)
     if dist.dist == "constant":
         x = np.full(n, float(dist.mean))
     elif dist.dist == "uniform":
@@ -41,7 +42,7 @@ def sample(dist: LengthDist, rng: np.random.Generator, n: int, *,
         x = dist.mean + dist.sigma * rng.standard_normal(n)
     if integer:
         x = np.rint(x)
-        lo, hi = math.ceil(lo), math.floor(hi) if hi != math.inf else hi
+        lo, hi = math.ceil(lo), math.floor(hi)
     x = np.clip(x, lo, hi)
     return x.astype(np.int64) if integer else x
 

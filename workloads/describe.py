@@ -146,12 +146,14 @@ def describe(workload_or_requests, *, block_tokens: int = 16,
         reqs: Iterable = wl.requests() if hasattr(wl, "requests") else wl
         tok = tokenizer or getattr(wl, "tokenizer", None) or get_tokenizer()
         split = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode
+        # a completions prompt as the server tokenizes it (with the BOS it adds)
+        split_prompt = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode_prompt
         sim = PrefixCacheSim(None if capacity_tokens is None
                              else capacity_tokens // block_tokens)
         total = 0
         for n, r in enumerate(reqs, 1):
-            text = tok.render_chat(r.messages) if r.messages is not None else r.prompt
-            toks = split(text)
+            toks = split(tok.render_chat(r.messages)) if r.messages is not None \
+                else split_prompt(r.prompt)
             h, hl = sim.add(block_keys(toks, block_tokens))
             hits += h * block_tokens
             hits_lru += (hl or 0) * block_tokens
@@ -236,6 +238,7 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
 
     tok = tokenizer or getattr(workload, "tokenizer", None) or get_tokenizer()
     split = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode
+    split_prompt = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode_prompt
     # base id -> (prompt tokens, block keys, max_tokens, class, declared shared, arrival),
     # kept only while the id has uses to come (later passes)
     summary_of: dict = {}
@@ -255,8 +258,8 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
                 left[base] -= 1
                 missing.append(sent_ids[k])
                 continue
-            text = tok.render_chat(r.messages) if r.messages is not None else r.prompt
-            toks = split(text)
+            toks = split(tok.render_chat(r.messages)) if r.messages is not None \
+                else split_prompt(r.prompt)
             got = (len(toks), block_keys(toks, block_tokens), r.max_tokens, r.request_class,
                    r.shared_prefix_tokens, r.arrival_offset_s)
         left[base] -= 1

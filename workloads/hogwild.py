@@ -11,23 +11,37 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, LengthDist, const
+from kvbench.workloads.specs import (MAX_ACTIVE_SESSIONS, MAX_REQUESTS, MAX_SESSION_TURNS,
+                                     KindSpec, LengthDist, const)
 
 
 class HogwildSpec(KindSpec):
     kind: Literal["hogwild"] = "hogwild"
-    tasks: int = Field(default=2, gt=0)
-    workers: int = Field(default=4, gt=0)
-    steps_per_worker: int = Field(default=4, gt=0)
+    tasks: int = Field(default=2, gt=0, le=MAX_REQUESTS)
+    # each worker's prompt holds every worker's output (Hogwild! runs 2 to 4): past a few
+    # hundred the shared transcript outgrows any context
+    workers: int = Field(default=4, gt=0, le=256)
+    steps_per_worker: int = Field(default=4, gt=0, le=MAX_SESSION_TURNS)
     task_tokens: LengthDist = const(512)
     step_output_tokens: LengthDist = LengthDist(dist="lognormal", mean=64, sigma=0.3, min=8,
                                                 max=256)
+
+    def planned_requests(self) -> int:
+        return self.tasks * self.workers * self.steps_per_worker
+
+    @model_validator(mode="after")
+    def _sessions(self):
+        # every worker of every task is one session, all active at once (round robin)
+        if self.tasks * self.workers > MAX_ACTIVE_SESSIONS:
+            raise ValueError(f"tasks x workers is {self.tasks * self.workers:,} sessions at "
+                             f"once, over {MAX_ACTIVE_SESSIONS:,}; lower tasks or workers")
+        return self
 
     def max_output_upper(self) -> float:
         return self.step_output_tokens.upper

@@ -18,20 +18,24 @@ from kvbench.workloads.base import Request
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, LengthDist
+from kvbench.workloads.specs import MAX_ACTIVE_SESSIONS, MAX_SESSION_TURNS, KindSpec, LengthDist
 
 
 class LongctxSpec(KindSpec):
     kind: Literal["longctx"] = "longctx"
-    contracts: int = Field(default=4, gt=0)
+    # "interleave" keeps every contract's session active at once
+    contracts: int = Field(default=4, gt=0, le=MAX_ACTIVE_SESSIONS)
     contract_tokens: LengthDist = LengthDist(dist="uniform", mean=32768, min=16384, max=32768)
-    questions_per_contract: int = Field(default=4, gt=0)
+    questions_per_contract: int = Field(default=4, gt=0, le=MAX_SESSION_TURNS)
     question_tokens: LengthDist = LengthDist(dist="lognormal", mean=32, sigma=0.3, min=8, max=128)
     output_tokens: LengthDist = LengthDist(dist="lognormal", mean=96, sigma=0.4, min=8, max=512)
     order: Literal["interleave", "tile"] = "interleave"
     think_time_s: LengthDist = LengthDist(dist="uniform", mean=0.2, min=0.0, max=0.5)
 
     sizable: ClassVar[bool] = True
+
+    def planned_requests(self) -> int:
+        return self.contracts * self.questions_per_contract
 
     def max_prompt_upper(self) -> float:
         return self.contract_tokens.upper + self.question_tokens.upper

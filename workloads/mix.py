@@ -18,18 +18,21 @@ from kvbench.workloads.base import Request, Session
 from kvbench.workloads.common import flatten, rng_for
 from kvbench.core.errors import UserError
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, Strict
+from kvbench.workloads.specs import MAX_REQUESTS, KindSpec, Name, Strict
 
 
 class MixComponent(Strict):
-    workload: str  # name of another [workloads.<name>] table
-    weight: float = Field(gt=0)
+    workload: Name  # name of another [workloads.<name>] table
+    weight: float = Field(gt=0, le=1e9)
 
 
 class MixSpec(KindSpec):
     kind: Literal["mix"] = "mix"
-    requests: int = Field(default=300, gt=0)
-    components: list[MixComponent] = Field(min_length=1)
+    requests: int = Field(default=300, gt=0, le=MAX_REQUESTS)
+    components: list[MixComponent] = Field(min_length=1, max_length=100)
+
+    def planned_requests(self) -> int:
+        return self.requests
 
     def parts(self) -> list[str]:
         return [c.workload for c in self.components]

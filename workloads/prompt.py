@@ -3,7 +3,8 @@
 For the built-in tokenizer the count is arithmetic on the pieces' own counts (the rule in
 ``concat_count``), so a 30k-token prompt costs nothing to count; for a HuggingFace tokenizer
 the rendered text is counted with the tokenizer itself. Either way ``prompt_tokens`` equals the
-tokenizer's count of exactly what is sent (chat: ``count_chat(messages)``).
+count a server makes of exactly what is sent (chat: ``count_chat(messages)``, the template's
+special tokens included; completions: ``count_prompt(prompt)``, with the BOS the server adds).
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ class Assembler:
                 prompt = self.tokenizer.render_chat(messages)
                 messages = None
             return messages, prompt, total, shared_tokens
-        rendered = self.tokenizer.render_chat(messages)
-        total = self.tokenizer.count(rendered)
+        tok = self.tokenizer
+        completions = self.api == "completions"
+        rendered = tok.render_prompt(messages) if completions else tok.render_chat(messages)
+        total = tok.count_prompt(rendered) if completions else tok.count(rendered)
+        lead = tok.leading_special_tokens if completions else 0
         shared_tokens = 0
         if shared is not None:
             i, j = shared
@@ -125,11 +129,11 @@ class Assembler:
             start = rendered.find(content) if content else -1
             upto = sum(len(p.text) for p in msgs[i][1][:j])
             if start >= 0:
-                shared_tokens = min(total, self.tokenizer.count(rendered[:start + upto]))
+                shared_tokens = min(total, lead + tok.count(rendered[:start + upto]))
             else:  # the template rewrote the content: count the pieces instead
                 shared_tokens = sum(p.ntok for _, parts in msgs[:i] for p in parts) + sum(
                     p.ntok for p in msgs[i][1][:j])
-        if self.api == "completions":
+        if completions:
             return None, rendered, total, shared_tokens
         return messages, None, total, shared_tokens
 

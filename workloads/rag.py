@@ -18,22 +18,26 @@ from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample, zipf_cdf
 from kvbench.workloads.prompt import Assembler, Piece
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec, LengthDist, const
+from kvbench.workloads.specs import MAX_REQUESTS, MAX_TOKENS, KindSpec, LengthDist, const
 
 
 class RagSpec(KindSpec):
     kind: Literal["rag"] = "rag"
-    requests: int = Field(default=200, gt=0)
-    documents: int = Field(default=100, gt=0)
-    chunks_per_document: int = Field(default=4, gt=0)
+    requests: int = Field(default=200, gt=0, le=MAX_REQUESTS)
+    documents: int = Field(default=100, gt=0, le=MAX_REQUESTS)
+    # retrieval returns tens of chunks; 10,000 is far past any retriever's top_k
+    chunks_per_document: int = Field(default=4, gt=0, le=10_000)
     chunk_tokens: LengthDist = const(256)
-    top_k: int = Field(default=4, gt=0)
-    zipf_s: float = Field(default=1.1, gt=0)  # popularity exponent over documents
-    system_prompt_tokens: int = Field(default=128, ge=0)
+    top_k: int = Field(default=4, gt=0, le=10_000)
+    zipf_s: float = Field(default=1.1, gt=0, le=100)  # popularity exponent over documents
+    system_prompt_tokens: int = Field(default=128, ge=0, le=MAX_TOKENS)
     question_tokens: LengthDist = LengthDist(dist="lognormal", mean=24, sigma=0.4, min=4, max=128)
     output_tokens: LengthDist = LengthDist(dist="lognormal", mean=128, sigma=0.5, min=8, max=512)
 
     sizable: ClassVar[bool] = True
+
+    def planned_requests(self) -> int:
+        return self.requests
 
     def max_prompt_upper(self) -> float:
         return (self.system_prompt_tokens + self.top_k * self.chunk_tokens.upper

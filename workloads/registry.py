@@ -15,7 +15,7 @@ from typing import Annotated, Callable, Mapping, Union
 from pydantic import Field, TypeAdapter
 
 from kvbench.core.errors import UserError
-from kvbench.workloads.specs import KindSpec
+from kvbench.workloads.specs import KindSpec, Name
 from kvbench.workloads.tokenizer import get_tokenizer
 
 
@@ -106,7 +106,7 @@ def tables_adapter() -> TypeAdapter:
         specs = tuple(k.spec for k in kinds().values())
         one = Annotated[Union[specs], Field(discriminator="kind")] if len(specs) > 1 \
             else specs[0]
-        adapter = _state["adapter"] = TypeAdapter(dict[str, one])
+        adapter = _state["adapter"] = TypeAdapter(dict[Name, one])
     return adapter
 
 

@@ -12,7 +12,16 @@ generators and the built-in endpoints so that client and server counts agree exa
 
 A HuggingFace ``tokenizer.json`` (a file, or a directory holding one) can be configured instead;
 then prompts are sized with that tokenizer, and chat prompts are counted on the built-in chat
-rendering unless the directory holds a ``tokenizer_config.json`` with a ``chat_template``.
+rendering unless the directory holds a ``tokenizer_config.json`` with a ``chat_template`` (or a
+``chat_template.jinja``). Counts follow what vLLM, SGLang and llama.cpp do with a request:
+
+* chat: the template is rendered as transformers' ``apply_chat_template`` renders it (its
+  jinja settings, with the tokenizer's own ``bos_token``, ``eos_token``... from
+  ``tokenizer_config.json``), and the rendered text is tokenized WITHOUT adding special tokens
+  again (the BOS came through the template);
+* completions: the prompt is tokenized WITH the special tokens the tokenizer's post-processor
+  adds (a Llama tokenizer puts BOS first), and a template's leading BOS text is left out of a
+  completions prompt where the post-processor adds it anyway (no double BOS).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -33,6 +43,7 @@ _TOKEN_RE = re.compile(r"\s*[A-Za-z0-9]+|\s*[^\sA-Za-z0-9]|\s+")
 
 class Tokenizer(Protocol):
     name: str
+    leading_special_tokens: int  # what a completions prompt starts with (BOS) before its text
 
     def count(self, text: str) -> int: ...
 
@@ -41,6 +52,12 @@ class Tokenizer(Protocol):
     def render_chat(self, messages: Sequence[dict]) -> str: ...
 
     def count_chat(self, messages: Sequence[dict]) -> int: ...
+
+    def render_prompt(self, messages: Sequence[dict]) -> str: ...
+
+    def count_prompt(self, text: str) -> int: ...
+
+    def encode_prompt(self, text: str) -> list[int]: ...
 
     def single_token_words(self) -> list[str]: ...
 
@@ -65,6 +82,7 @@ class BuiltinTokenizer:
     """``kvbench-words-v1``: see the module docstring for the exact rules."""
 
     name = BUILTIN_NAME
+    leading_special_tokens = 0
 
     def tokens(self, text: str) -> list[str]:
         return _TOKEN_RE.findall(text)
@@ -80,6 +98,15 @@ class BuiltinTokenizer:
 
     def count_chat(self, messages: Sequence[dict]) -> int:
         return self.count(render_chat_builtin(messages))
+
+    def render_prompt(self, messages: Sequence[dict]) -> str:
+        return render_chat_builtin(messages)
+
+    def count_prompt(self, text: str) -> int:
+        return self.count(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def single_token_words(self) -> list[str]:
         return list(_builtin_vocabulary())
@@ -115,34 +142,73 @@ class HFTokenizer:
             raise UserError(f"{path}: not a valid HuggingFace tokenizer.json ({exc}); "
                             "point tokenizer at the tokenizer.json of your model") from exc
         self.name = f"hf:{path}"
-        self._template = None
-        cfg = path.parent / "tokenizer_config.json"
-        if cfg.exists():
-            try:
-                tmpl = json.loads(cfg.read_text()).get("chat_template")
-            except (OSError, ValueError):
-                tmpl = None
-            if isinstance(tmpl, str):
-                import jinja2
-
-                env = jinja2.Environment(trim_blocks=False, lstrip_blocks=False)
-                self._template = env.from_string(tmpl)
+        config = _read_json(path.parent / "tokenizer_config.json")
+        self.special_tokens = _special_tokens(config)
+        tmpl = config.get("chat_template")
+        jinja_file = path.parent / "chat_template.jinja"
+        if jinja_file.exists():
+            tmpl = jinja_file.read_text()
+        if isinstance(tmpl, list):  # named templates: transformers uses "default"
+            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+        self._template = _compile_template(tmpl, path) if isinstance(tmpl, str) else None
+        # tokens the post-processor adds around a plain prompt (a Llama tokenizer: BOS first)
+        probe = self._tok.encode("word", add_special_tokens=True).ids
+        bare = self._tok.encode("word", add_special_tokens=False).ids
+        at = next((i for i in range(len(probe) - len(bare) + 1)
+                   if probe[i:i + len(bare)] == bare), 0)
+        self._leading_ids = probe[:at]
+        self._added = len(probe) - len(bare)
         self._words: list[str] | None = None
 
     def count(self, text: str) -> int:
+        """Tokens of ``text`` with no special tokens added (a piece, or a rendered chat)."""
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def render_chat(self, messages: Sequence[dict]) -> str:
+        """The text a server renders for a chat request: the model's template with its special
+        tokens (BOS included), or the built-in rendering without a template."""
         if self._template is None:
             return render_chat_builtin(messages)
-        return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                     bos_token="", eos_token="")
+        import jinja2
+
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         **self.special_tokens)
+        except jinja2.TemplateError as exc:
+            roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
+            raise UserError(f"{self.path.parent}: the model's chat template refused messages "
+                            f"with roles {roles} ({exc}); use api = \"completions\" for this "
+                            "workload or another tokenizer") from None
 
     def count_chat(self, messages: Sequence[dict]) -> int:
         return self.count(self.render_chat(messages))
+
+    def render_prompt(self, messages: Sequence[dict]) -> str:
+        """A completions prompt for ``messages``: the chat rendering, less a leading BOS text
+        that the server's tokenizer adds again."""
+        text = self.render_chat(messages)
+        if self._leading_ids:
+            lead = self._tok.decode(self._leading_ids, skip_special_tokens=False)
+            if lead and text.startswith(lead):
+                text = text[len(lead):]
+        return text
+
+    def count_prompt(self, text: str) -> int:
+        """Tokens a server counts for ``text`` sent as a completions prompt (special tokens
+        added, as vLLM's and llama.cpp's completions endpoints do)."""
+        return self.count(text) + self._added
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    @property
+    def leading_special_tokens(self) -> int:
+        """Special tokens a completions prompt starts with (BOS), before its text."""
+        return len(self._leading_ids)
 
     def single_token_words(self) -> list[str]:
         """Lowercase alphabetic words w for which " w" is exactly one token, in vocab order."""
@@ -166,6 +232,62 @@ class HFTokenizer:
                                 "tokenizer.json or tokenizer = \"builtin\"")
             self._words = words
         return list(self._words)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+
+
+def _special_tokens(config: dict) -> dict:
+    """The special tokens transformers hands a chat template (``special_tokens_map``), each as
+    its text; tokenizer_config.json writes them as strings or as ``{"content": ...}``."""
+    out = {}
+    for key in _SPECIAL_KEYS:
+        v = config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[key] = v
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        out["additional_special_tokens"] = [t.get("content") if isinstance(t, dict) else t
+                                            for t in extra]
+    return out
+
+
+def _compile_template(text: str, path: Path):
+    """A chat template compiled the way transformers compiles it (sandboxed, trim_blocks and
+    lstrip_blocks, loop controls, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
+    non-ASCII)."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.2's date
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateError as exc:
+        raise UserError(f"{path.parent}: the chat template does not compile ({exc}); fix "
+                        "chat_template in tokenizer_config.json") from None
 
 
 @lru_cache(maxsize=8)

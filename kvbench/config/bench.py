@@ -12,24 +12,29 @@ from kvbench.config.load import LoadProfile
 from kvbench.core import redact
 from kvbench.reports.spec import SLO, GateConfig
 from kvbench.workloads import registry
-from kvbench.workloads.specs import KindSpec, Strict
+from kvbench.workloads.specs import KindSpec, Name, Strict
+
+MAX_TABLES = 1000  # endpoints, workloads or profiles in one suite: a matrix of a million jobs
 
 
 class SuiteConfig(Strict):
-    name: str = "default"
+    name: Name = "default"  # part of every run id and results folder
     seed: int = 0
     tokenizer: str = "builtin"  # "builtin" or a path to tokenizer.json
     results_dir: str = "results"
-    workloads: list[str] | None = None  # which [workloads.*] to run; None: all but mix parts
-    profile: str | None = None  # which [profiles.*] to run; None: all
+    # which [workloads.*] to run; None: all but mix parts
+    workloads: list[Name] | None = Field(default=None, max_length=MAX_TABLES)
+    profile: Name | None = None  # which [profiles.*] to run; None: all
 
 
 class BenchConfig(Strict):
     suite: SuiteConfig = SuiteConfig()
-    endpoints: list[EndpointSpec] = Field(min_length=1)
+    endpoints: list[EndpointSpec] = Field(min_length=1, max_length=MAX_TABLES)
     # each table validated as the spec of its kind among the kinds registered at validation
-    workloads: dict[str, SerializeAsAny[KindSpec]] = Field(min_length=1)
-    profiles: dict[str, LoadProfile] = Field(min_length=1)
+    workloads: dict[Name, SerializeAsAny[KindSpec]] = Field(min_length=1,
+                                                            max_length=MAX_TABLES)
+    profiles: dict[Name, LoadProfile] = Field(min_length=1, max_length=MAX_TABLES)
+    # keys: request classes of the configured workloads (checked across sections at load)
     slo: dict[str, SLO] = Field(default_factory=dict)
     gate: GateConfig = GateConfig()
     collect: CollectConfig = CollectConfig()

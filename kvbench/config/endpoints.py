@@ -9,44 +9,46 @@ from pydantic import Field, field_validator, model_validator
 
 from kvbench import engines
 from kvbench.core import redact
-from kvbench.workloads.specs import Strict
+from kvbench.workloads.specs import MAX_TOKENS, Name, Strict
 
 DEFAULT_CONTEXT_TOKENS = 131072
+MAX_GPUS = 100_000  # GPUs behind one endpoint: the largest clusters built
+MAX_GPU_HOUR_COST = 10_000.0  # dollars per GPU-hour: a hundred times any cloud list price
 
 
 class BuiltinEndpoint(Strict):
     """A built-in reference endpoint that ``kvbench run`` starts on a free loopback port."""
 
     kind: Literal["builtin"] = "builtin"
-    name: str
+    name: Name
     topology: Literal["colocated", "disaggregated", "offloaded", "routed"]
     options: dict = Field(default_factory=dict)  # endpoints.config settings (see kvbench serve)
-    max_context_tokens: int = Field(default=DEFAULT_CONTEXT_TOKENS, gt=0)
+    max_context_tokens: int = Field(default=DEFAULT_CONTEXT_TOKENS, gt=0, le=MAX_TOKENS)
     model: str = "kvbench-llama-3-70b"
-    gpu_hour_cost: float | None = Field(default=None, ge=0)
-    gpus: int = Field(default=1, gt=0)
+    gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST)
+    gpus: int = Field(default=1, gt=0, le=MAX_GPUS)
 
 
 class OpenAIEndpoint(Strict):
     """Any OpenAI-compatible server the user runs (vLLM, SGLang, Dynamo, a vendor...)."""
 
     kind: Literal["openai"] = "openai"
-    name: str
+    name: Name
     url: str  # base URL, e.g. http://127.0.0.1:8000
     model: str | None = None  # None: the first model /v1/models lists
     topology: Literal["colocated", "disaggregated", "offloaded", "routed", "unknown"] = "unknown"
     api_key_env: str | None = None  # name of the environment variable holding the key
-    max_context_tokens: int | None = Field(default=None, gt=0)  # None: from /v1/models
+    max_context_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)  # None: /v1/models
     metrics_url: str | None = None  # engine /metrics to scrape; None: <url>/metrics
-    headers: dict[str, str] = Field(default_factory=dict)
-    gpu_hour_cost: float | None = Field(default=None, ge=0)
-    gpus: int = Field(default=1, gt=0)
+    headers: dict[str, str] = Field(default_factory=dict, max_length=100)
+    gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST)
+    gpus: int = Field(default=1, gt=0, le=MAX_GPUS)
     engine: str = "auto"  # engine family (kvbench.engines); "auto": detected from /metrics
 
     @model_validator(mode="after")
     def _url(self):
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url {self.url!r} must start with http:// or https://")
+            raise ValueError(f"url {self.url[:60]!r} must start with http:// or https://")
         return self
 
     @model_validator(mode="after")
@@ -66,7 +68,7 @@ class OpenAIEndpoint(Strict):
     def _engine(cls, v: str) -> str:
         names = sorted(a.name for a in engines.adapters())
         if v != "auto" and v not in names:
-            raise ValueError(f"engine {v!r} is not a known engine family; use \"auto\" or one "
+            raise ValueError(f"engine {v[:40]!r} is not a known engine family; use \"auto\" or one "
                              f"of {', '.join(names)}")
         return v
 

@@ -6,13 +6,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvbench.workloads.specs import Strict
+from kvbench.workloads.specs import MAX_SECONDS, Strict
 
 
 class Stage(Strict):
-    duration_s: float = Field(gt=0)
-    rate_rps: float | None = Field(default=None, gt=0)  # open loop
-    users: int | None = Field(default=None, gt=0)  # closed loop
+    duration_s: float = Field(gt=0, le=MAX_SECONDS)  # a week: longer soaks are several runs
+    # open loop; a million req/s is past any one load host (Locust sends thousands per core)
+    rate_rps: float | None = Field(default=None, gt=0, le=1e6)
+    # closed loop; 100,000 users is already a large distributed Locust swarm
+    users: int | None = Field(default=None, gt=0, le=100_000)
 
 
 class LoadProfile(Strict):
@@ -21,10 +23,11 @@ class LoadProfile(Strict):
     ``trace``: the workload's own arrival times."""
 
     pacing: Literal["closed", "poisson", "gamma", "constant", "trace"] = "closed"
-    stages: list[Stage] = Field(min_length=1)
-    gamma_cv: float = Field(default=2.0, gt=0)  # coefficient of variation of gaps (burstiness)
-    max_in_flight: int = Field(default=512, gt=0)
-    request_timeout_s: float = Field(default=600.0, gt=0)  # whole-request deadline
+    stages: list[Stage] = Field(min_length=1, max_length=1000)
+    # coefficient of variation of gaps (burstiness); real traces measure below 10
+    gamma_cv: float = Field(default=2.0, gt=0, le=100)
+    max_in_flight: int = Field(default=512, gt=0, le=1_000_000)  # sockets one host can open
+    request_timeout_s: float = Field(default=600.0, gt=0, le=86400)  # whole-request deadline
     warmup_connections: bool = True
     # At the end of each stage (closed loop) or of the last stage (open loop), how long requests
     # in flight may finish before they are cancelled; cancelled ones are recorded as

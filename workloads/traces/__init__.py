@@ -19,20 +19,30 @@ from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for
 from kvbench.workloads.prompt import Assembler
 from kvbench.workloads.registry import BuildContext, register
-from kvbench.workloads.specs import KindSpec
+from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, KindSpec
 
 FORMATS = ("mooncake", "azure", "lmcache_agent")
+# A trace's timestamps span at most a year (the public ones span an hour to a week): later
+# ones are damage, and an arrival that far out would hold a run open for ever.
+MAX_SPAN_S = 366 * 86400.0
+
+
+def shown(value, n: int = 40) -> str:
+    """A value of a trace line quoted in a message, cut to ``n`` characters."""
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 class TraceSpec(KindSpec):
     kind: Literal["trace"] = "trace"
     format: Literal["mooncake", "azure", "lmcache_agent"]
     path: str  # a file, or for lmcache_agent a directory of session files
-    speedup: float = Field(default=1.0, gt=0)  # 2.0 replays twice as fast
-    limit: int | None = Field(default=None, gt=0)
-    jitter_s: float = Field(default=0.0, ge=0)  # spreads Mooncake's 3 s timestamp steps
+    # 2.0 replays twice as fast; past 1e6 a day of trace is sent in under a tenth of a second
+    speedup: float = Field(default=1.0, gt=0, le=1e6)
+    limit: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
+    jitter_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS)  # spreads Mooncake's 3 s steps
     skip_bad_lines: bool = False
-    max_output_tokens: int | None = Field(default=None, gt=0)  # clip replayed outputs
+    max_output_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)  # clip outputs
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
 
@@ -111,6 +121,18 @@ class TraceWorkload(GeneratedWorkload):
     def _max_tokens(self, n: int) -> int:
         m = self.spec.max_output_tokens
         return max(1, n if m is None else min(n, m))
+
+    def _require_requests(self, n: int, where: Path, first_bad: str | None = None) -> None:
+        """A trace with no request to replay is an error, not an empty run."""
+        if n:
+            return
+        why = ""
+        if self.skipped_lines:
+            why = f" (all {self.skipped_lines} of its lines are malformed, the first: {first_bad})"
+        elif self.skipped_records:
+            why = f" (all {self.skipped_records} of its records have an empty input or output)"
+        raise UserError(f"{where}: the trace holds no requests{why}; give the path of a "
+                        f"{self.spec.format} trace with at least one request")
 
     def _note_bad(self, bad: BadLines) -> None:
         self.skipped_lines = bad.count

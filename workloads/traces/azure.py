@@ -14,6 +14,7 @@ import numpy as np
 
 from kvbench.workloads.base import Request
 from kvbench.workloads.prompt import Piece
+from kvbench.workloads.specs import MAX_TOKENS
 from kvbench.workloads.traces import BadLines, TraceWorkload
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -44,6 +45,10 @@ class AzureTrace(TraceWorkload):
             header = fh.readline().strip().lstrip("\ufeff")
             cols = [c.strip() for c in header.split(",")]
             missing = [c for c in COLUMNS if c not in cols]
+            if not header:
+                bad.skip = False
+                bad(1, f"the trace is empty or starts with a blank line (expected the header "
+                       f"{','.join(COLUMNS)})")
             if missing:
                 bad.skip = False
                 bad(1, f"the header lacks column(s) {', '.join(missing)} (expected "
@@ -78,9 +83,9 @@ class AzureTrace(TraceWorkload):
                     bad(line_no, f"ContextTokens {f[ic]!r} or GeneratedTokens {f[ig]!r} is "
                                  "not an integer")
                     continue
-                if c <= 0 or g < 0:
-                    bad(line_no, f"ContextTokens {c} must be positive and GeneratedTokens {g} "
-                                 "not negative")
+                if not (0 < c <= MAX_TOKENS and 0 <= g <= MAX_TOKENS):
+                    bad(line_no, f"ContextTokens {c} must be from 1 to {MAX_TOKENS} and "
+                                 f"GeneratedTokens {g} from 0 to {MAX_TOKENS}")
                     continue
                 ts.append(t)
                 ctx.append(c)
@@ -89,6 +94,7 @@ class AzureTrace(TraceWorkload):
                 if limit is not None and len(ts) >= limit:
                     break
         self._note_bad(bad)
+        self._require_requests(len(ts), self.path, bad.first)
         t = np.array(ts, dtype=float)
         if len(t):
             t = t - t[0]
@@ -109,7 +115,7 @@ class AzureTrace(TraceWorkload):
             messages, prompt, total, _ = self.asm.build([("user", [Piece(text, body)])])
         else:
             messages, prompt = None, text
-            total = body if self.asm.builtin else self.tokenizer.count(text)
+            total = body if self.asm.builtin else self.tokenizer.count_prompt(text)
         rid = f"{self.name}-{self.lines[i]:06d}"
         return Request(
             request_id=rid, request_class="trace",

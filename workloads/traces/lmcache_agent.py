@@ -17,7 +17,9 @@ import orjson
 
 from kvbench.workloads.base import Request
 from kvbench.workloads.prompt import merges
-from kvbench.workloads.traces import BadLines, TraceWorkload
+from kvbench.workloads.traces import BadLines, TraceWorkload, shown
+
+MAX_UNIX_US = 4_102_444_800 * 10**6  # 2100-01-01 in Unix microseconds: later is damage
 
 
 def common_prefix_len(a: str, b: str) -> int:
@@ -94,6 +96,7 @@ class LMCacheAgentTrace(TraceWorkload):
         records.sort(key=lambda r: (r.ts_us, r.file, r.line))
         if spec.limit is not None:
             records = records[: spec.limit]
+        self._require_requests(len(records), self.path, firsts[0] if firsts else None)
         t0 = records[0].ts_us if records else 0
         trace_s = np.array([(r.ts_us - t0) / 1e6 for r in records], dtype=float)
         self.offsets_s, self.order = self._arrivals(trace_s)
@@ -116,8 +119,13 @@ class LMCacheAgentTrace(TraceWorkload):
                     continue
                 ts, text_in, text_out = rec.get("timestamp"), rec.get("input"), rec.get("output")
                 sid = rec.get("session_id", f.stem)
-                if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-                    bad(line_no, f"timestamp {ts!r} is not a number of microseconds")
+                if type(ts) not in (int, float) or not 0 <= ts <= MAX_UNIX_US:
+                    bad(line_no, f"timestamp {shown(ts)} is not a number of Unix microseconds "
+                                 "before 2100")
+                    continue
+                if not isinstance(sid, str) or not sid.strip() or len(sid) > 256:
+                    bad(line_no, f"session_id {shown(sid)} is not a string of 1 to 256 "
+                                 "characters (drop the key to use the file's name)")
                     continue
                 if not isinstance(text_in, (str, type(None))) or \
                         not isinstance(text_out, (str, type(None))):
@@ -151,9 +159,10 @@ class LMCacheAgentTrace(TraceWorkload):
                                                                  shared=(0, 1))
             else:
                 messages, prompt = None, r.input
-                total = self.tokenizer.count(r.input)
-                shared = self.tokenizer.count(head) - int(self.asm.builtin
-                                                          and merges(head, tail))
+                tok = self.tokenizer
+                total = tok.count_prompt(r.input)
+                shared = tok.leading_special_tokens + tok.count(head) - int(
+                    self.asm.builtin and merges(head, tail))
             if cut == 0:
                 shared = 0
             out[i] = Request(

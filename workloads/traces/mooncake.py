@@ -17,7 +17,8 @@ import orjson
 
 from kvbench.workloads.base import Request
 from kvbench.workloads.prompt import Piece
-from kvbench.workloads.traces import BadLines, TraceWorkload
+from kvbench.workloads.specs import MAX_TOKENS
+from kvbench.workloads.traces import MAX_SPAN_S, BadLines, TraceWorkload, shown
 
 BLOCK_TOKENS = 512  # Mooncake's hash block (FAST25-release/README)
 _CACHE_BLOCKS = 8192  # block texts kept (~3 KB each)
@@ -33,14 +34,15 @@ def _check(rec, line_no: int, bad: BadLines) -> tuple | None:
     except KeyError as exc:
         bad(line_no, f"missing key {exc.args[0]!r}")
         return None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
-        bad(line_no, f"timestamp {ts!r} is not a non-negative number of milliseconds")
+    if type(ts) not in (int, float) or not 0 <= ts <= MAX_SPAN_S * 1000:
+        bad(line_no, f"timestamp {shown(ts)} is not a number of milliseconds from 0 to "
+                     f"{MAX_SPAN_S * 1000:.0f} (a year)")
         return None
-    if not isinstance(n_in, int) or n_in <= 0:
-        bad(line_no, f"input_length {n_in!r} is not a positive integer")
+    if type(n_in) is not int or not 0 < n_in <= MAX_TOKENS:
+        bad(line_no, f"input_length {shown(n_in)} is not an integer from 1 to {MAX_TOKENS}")
         return None
-    if not isinstance(n_out, int) or n_out < 0:
-        bad(line_no, f"output_length {n_out!r} is not a non-negative integer")
+    if type(n_out) is not int or not 0 <= n_out <= MAX_TOKENS:
+        bad(line_no, f"output_length {shown(n_out)} is not an integer from 0 to {MAX_TOKENS}")
         return None
     if not isinstance(ids, list) or not all(type(h) is int for h in ids):
         bad(line_no, "hash_ids is not a list of integers")
@@ -79,6 +81,7 @@ class MooncakeTrace(TraceWorkload):
                 if limit is not None and len(ts) >= limit:
                     break
         self._note_bad(bad)
+        self._require_requests(len(ts), self.path, bad.first)
         self.input_tokens = np.array(n_in, dtype=np.int64)
         self.output_tokens = np.array(n_out, dtype=np.int64)
         self.hash_ids = ids
@@ -148,7 +151,8 @@ class MooncakeTrace(TraceWorkload):
         """Completions: the blocks' text itself, no template."""
         if self.asm.builtin:
             return None, text, body, shared_body
-        return None, text, self.tokenizer.count(text), shared_body
+        tok = self.tokenizer
+        return None, text, tok.count_prompt(text), tok.leading_special_tokens + shared_body
 
     def describe_blocks(self, block_tokens: int | None = None) -> Iterator[tuple]:
         """(prompt_tokens, max_tokens, block keys, block_tokens) per request in send order,
