@@ -79,6 +79,9 @@ class Engine:
         self.lateness = Histogram(LATENESS_BUCKETS)
         self.lateness_max_s = 0.0
         self.model_step_s = 0.0  # sum of the modelled step durations (wall seconds)
+        # the last finished requests' modelled times (rid, first-token s, decode s, tokens):
+        # the server's log a check of the model reads on a busy host
+        self.done_log: deque[tuple[str, float, float, int]] = deque(maxlen=4096)
         self.actual_step_s = 0.0  # sum of the measured ones
 
     # -- public -------------------------------------------------------------------------
@@ -189,6 +192,8 @@ class Engine:
             for s in decodes:
                 if s.t_first is None:
                     s.model_first_s += wall
+                else:
+                    s.model_decode_s += wall
             for s, _ in prefills:
                 if s.t_first is None:
                     s.model_first_s += wall
@@ -440,6 +445,7 @@ class Engine:
             s.finished = True
             s.t_done = now
             self.finished_ok += 1
+            self.done_log.append((s.rid, s.model_first_s, s.model_decode_s, s.generated))
             self.e2e.observe(now - s.t_arrival)
             if s.t_scheduled is not None:
                 self.queue_time.observe(s.t_scheduled - s.t_arrival)

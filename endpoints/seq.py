@@ -17,7 +17,7 @@ class Seq:
                  "finished", "error", "cancelled", "replica", "region", "prefilled",
                  "t_arrival", "t_scheduled", "t_prefill_done", "t_transfer_done", "t_first",
                  "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms", "sink",
-                 "model_first_s")
+                 "model_first_s", "model_decode_s")
 
     def __init__(self, rid: str, n_prompt: int, hashes: list[int], max_tokens: int,
                  t_arrival: float):
@@ -50,6 +50,8 @@ class Seq:
         # steps it took part in, as planned (waits behind other requests and a busy host's
         # late wake-ups are not in it)
         self.model_first_s = 0.0
+        # modelled wall seconds of the decode steps after its first token (same exclusions)
+        self.model_decode_s = 0.0
         self.preemptions = 0
         self.engine: Engine | None = None
         self.kv_transfer_ms = 0.0
