@@ -108,8 +108,7 @@ def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples:
     statistic of per-request values (ITL's pooled gaps, rates) keep the unpaired interval."""
     if not info.paired:
         return None
-    kb = fb["session_id"].astype(str).to_numpy() + "\x1f" + fb["turn"].astype(str).to_numpy()
-    kc = fc["session_id"].astype(str).to_numpy() + "\x1f" + fc["turn"].astype(str).to_numpy()
+    kb, kc = _request_keys(fb), _request_keys(fc)
     common, ib, ic = np.intersect1d(kb, kc, assume_unique=False, return_indices=True)
     if len(common) < PAIRED_MIN:
         return None
@@ -121,6 +120,12 @@ def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples:
         return None
     return info.paired_replicates(info.request_values(fb)[ib], info.request_values(fc)[ic],
                                   resamples, rng)
+
+
+def _request_keys(f: pd.DataFrame) -> np.ndarray:
+    """session and turn of each request, as one string (a missing session is "")."""
+    sess = f["session_id"].astype(object).fillna("").astype(str).to_numpy()
+    return sess + "\x1f" + f["turn"].astype(str).to_numpy()
 
 
 def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
