@@ -138,8 +138,9 @@ def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples:
 
 def _request_keys(f: pd.DataFrame) -> np.ndarray:
     """session and turn of each request, as one string (a missing session is "")."""
-    sess = f["session_id"].astype(object).fillna("").astype(str).to_numpy()
-    return sess + "\x1f" + f["turn"].astype(str).to_numpy()
+    sess = f["session_id"].astype(object).fillna("").astype(str)
+    turn = pd.Series(f["turn"].to_numpy(), index=sess.index).astype(object).fillna("").astype(str)
+    return (sess + "\x1f" + turn).to_numpy()
 
 
 def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:

@@ -104,7 +104,9 @@ def cost_per_m_output(d: ReportData, ep: str, output_tokens: float, wall_s: floa
     return float(cost) * float(gpus) * wall_s / 3600.0 / (output_tokens / 1e6)
 
 
-def build_context(d: ReportData, title: str | None = None) -> dict:
+def build_context(d: ReportData, title: str | None = None, figures: bool = True) -> dict:
+    """Everything a template shows; ``figures=False`` skips the plots (the Markdown report
+    has none)."""
     f = d.frame
     eps = d.endpoint_names
     lean = M.slim(f, ("endpoint", "topology"))
@@ -173,7 +175,7 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
     }
     from kvbench.reports.plots import all_figures
 
-    figures = all_figures(d, stage_table, itl_cache)
+    figures = all_figures(d, stage_table, itl_cache) if figures else []
     findings = diagnose(d)
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
@@ -365,7 +367,7 @@ def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
     from kvbench.reports.data import load
 
     d = load(paths, slo=slo)
-    ctx = build_context(d, title)
+    ctx = build_context(d, title, figures=fmt_ == "html")
     return render_html(ctx) if fmt_ == "html" else render_md(ctx)
 
 

@@ -325,7 +325,7 @@ def fuzz(seed_dir: Path, out_root: Path, count: int, seed: int = 0,
             try:
                 files.append(extra(d, rng))
             except (IndexError, KeyError, FileNotFoundError, TypeError, AttributeError,
-                    pa.ArrowException):
+                    ValueError, pa.ArrowException):
                 pass  # the first damage already removed what the second would damage
         out.append((d, m.__name__, " ".join(files)))
     return out

@@ -121,15 +121,19 @@ def _judge(rc: int, stderr: str, folder: Path, files: str, what: str) -> None:
     assert sentence.count("\n") == 0 and len(sentence) < 600, sentence
 
 
-def _check(folder: Path, good: Path, files: str, what: str, gate_as: str) -> None:
-    rc, err = _call(["report", str(folder), "--format", "md", "-o", str(folder / "r.md")])
+def _check(folder: Path, good: Path, files: str, what: str, gate_as: str,
+           fmt: str = "md") -> int:
+    """Report and gate on a damaged folder; returns the report's exit code."""
+    rc, err = _call(["report", str(folder), "--format", fmt, "-o", str(folder / f"r.{fmt}")])
     _judge(rc, err, folder, files, f"{what}: report")
+    report_rc = rc
     if gate_as == "current":
         argv = ["gate", "--baseline", str(good), "--current", str(folder), "--no-history"]
     else:
         argv = ["gate", "--baseline", str(folder), "--current", str(good), "--no-history"]
     rc, err = _call(argv)
     _judge(rc, err, folder, files, f"{what}: gate ({gate_as})")
+    return report_rc
 
 
 @pytest.mark.parametrize("name", list(damage.CATEGORIES))
@@ -153,9 +157,9 @@ def test_fuzzed_folders_never_give_a_traceback(seeds, tmp_path):
     assert len(made) >= 200
     refused = 0
     for i, (d, what, files) in enumerate(made):
-        rc, _ = _call(["report", str(d), "--format", "md", "-o", str(d / "r.md")])
-        refused += rc != 0
-        _check(d, good, files, what, "current" if i % 2 else "baseline")
+        # one in six as HTML: its plots read the data the Markdown does not show
+        refused += _check(d, good, files, what, "current" if i % 2 else "baseline",
+                          "html" if i % 6 == 0 else "md") != 0
     # Most damages are refused (the rest are damage a reader may survive: a truncated shard,
     # an extra run.json key of the right type).
     assert refused >= len(made) // 2, refused
@@ -176,3 +180,24 @@ def test_as_a_subprocess_the_sentence_is_all_that_is_printed(seeds, tmp_path):
             assert "Traceback" not in p.stderr
             lines = p.stderr.strip().splitlines()
             assert len(lines) == 1 and files in lines[0], p.stderr
+
+
+def test_a_damaged_history_file_is_named(seeds, tmp_path):
+    """`--baseline last-pass` and `kvbench history` read the results store's history."""
+    seed, _, good = seeds
+    store = tmp_path / "store"
+    for name in ("a", "b"):
+        shutil.copytree(seed, store / name)
+    rc, err = _call(["gate", "--baseline", str(store / "a"), "--current", str(store / "b"),
+                     "--results-dir", str(store)])
+    assert rc == 0, err
+    [hist] = list((store / "history").rglob("*.parquet"))
+    for damage_it in (damage.zero, damage.garbage, damage.truncate):
+        shutil.copy(hist, tmp_path / "h")
+        damage_it(hist, random.Random(1))
+        for argv in (["gate", "--baseline", "last-pass", "--current", str(store / "b"),
+                      "--results-dir", str(store), "--no-history"],
+                     ["history", "--results-dir", str(store)]):
+            rc, err = _call(argv)
+            assert rc == 3 and err.count("\n") == 1 and hist.name in err, (argv, err)
+        shutil.copy(tmp_path / "h", hist)

@@ -85,6 +85,9 @@ def _run(args) -> int:
         except Exception as exc:
             raise DataError(f"{current_path / 'run.json'}: its gate rules are invalid ({exc}); "
                             "pass --config bench.toml") from None
+        if not gate_cfg.rules:
+            raise DataError(f"{current_path / 'run.json'}: its config has no [gate] rules; "
+                            "pass --config bench.toml with [gate] rules")
         slo = resolved.get("slo") or {}
         results_dir = Path(args.results_dir) if args.results_dir else current_path.parent
     suite = current.meta.suite
