@@ -398,7 +398,7 @@ def _proc_meta_problem(data) -> str | None:
 REQUIRED = {"requests": ("endpoint", "status", "t_scheduled", "t_sent"),
             "gpu": ("t_ns",),
             "engine": ("t_ns", "endpoint", "metric", "value")}
-# Columns every record of a table has (the writers always set them).
+# Columns every finished record of a table has (checked by ``scan(strict=True)``).
 NOT_NULL = {"requests": ("endpoint", "status"), "gpu": ("t_ns",), "engine": ("t_ns", "metric")}
 _IPC_MARKER = b"\xff\xff\xff\xff"  # every Arrow IPC stream message starts with it
 
@@ -442,10 +442,11 @@ def check_schema(have: pa.Schema, table: str, path: Path) -> None:
 
 
 def _conform(batch: pa.RecordBatch, schema: pa.Schema, columns: Sequence[str] | None,
-             path: Path | None = None, table: str = "") -> pa.RecordBatch:
+             path: Path | None = None, table: str = "", strict: bool = False
+             ) -> pa.RecordBatch:
     """``batch`` with the schema's types and ``columns`` (missing ones as nulls); a value
-    that does not read as its column's type, or a null where every record has a value, is a
-    ``DataError`` naming ``path``."""
+    that does not read as its column's type is a ``DataError`` naming ``path``, and so is,
+    when ``strict``, a null where every finished record has a value or an unknown status."""
     names = list(columns) if columns is not None else schema.names
     arrays = []
     for name in names:
@@ -459,11 +460,11 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema, columns: Sequence[str] | 
         except (pa.ArrowException, ValueError) as exc:
             raise DataError(f"{path}: column {name} does not read as {typ} "
                             f"({str(exc).splitlines()[0]}); restore the run's own file") from None
-        if name in NOT_NULL.get(table, ()) and col.null_count:
+        if strict and name in NOT_NULL.get(table, ()) and col.null_count:
             raise DataError(f"{path}: {col.null_count} record(s) without a {name}, which every "
                             f"{table} record has; the file is damaged: restore the run's own "
                             "file")
-        if table == "requests" and name == "status":
+        if strict and table == "requests" and name == "status":
             bad = pc.filter(col, pc.invert(pc.is_in(col, pa.array(STATUSES))))
             if len(bad):
                 raise DataError(f"{path}: status {bad[0].as_py()!r} is not one of "
@@ -535,10 +536,12 @@ def _parquet_batches(pfile: Path, table: str, read_cols: Sequence[str] | None,
 
 def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
          batch_size: int = 65_536, parquet: bool = True,
-         shards: bool = True) -> Iterator[pa.RecordBatch]:
+         shards: bool = True, strict: bool = False) -> Iterator[pa.RecordBatch]:
     """The one reader of a run's tables: record batches of ``<table>.parquet`` (if compacted),
     then of its live shards, each conformed to schema v1 (``columns`` only, missing columns of
-    older files as nulls). A damaged file is a ``DataError`` naming it."""
+    older files as nulls). A damaged file is a ``DataError`` naming it; ``strict`` (readers of
+    finished runs: reports, the gate) also refuses records without the values every finished
+    record has (``NOT_NULL``) and unknown statuses."""
     run_dir = Path(run_dir)
     schema = TABLES[table]
     if columns is not None:
@@ -548,10 +551,10 @@ def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
     pfile = run_dir / f"{table}.parquet"
     if parquet and pfile.exists():
         for batch in _parquet_batches(pfile, table, columns, batch_size):
-            yield _conform(batch, schema, columns, pfile, table)
+            yield _conform(batch, schema, columns, pfile, table, strict)
     if shards:
         for shard, batch in _shard_batches(run_dir, table):
-            yield _conform(batch, schema, columns, shard, table)
+            yield _conform(batch, schema, columns, shard, table, strict)
 
 
 def read_table(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
@@ -601,4 +604,5 @@ def load_results(path: Path | str) -> Results:
     """Read one run directory: run.json plus every table (parquet, then live shards)."""
     run_dir = Path(path)
     meta = read_meta(run_dir)
-    return Results(run_dir, meta, {name: read_table(run_dir, name) for name in TABLES})
+    return Results(run_dir, meta, {name: read_table(run_dir, name, strict=True)
+                                   for name in TABLES})
