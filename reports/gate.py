@@ -8,6 +8,9 @@ baseline gets a percentile confidence interval. A relative rule (``max_increase_
 
 Verdicts: ``pass`` when the whole interval is within the limit, ``fail`` when the whole
 interval lies beyond it, ``inconclusive`` when it straddles the limit (the change may be noise).
+A gate never passes on nothing: a run without records, a rule over a class or endpoint one run
+lacks, or no check at all is a ``DataError`` (exit 3), not a verdict. In a paired comparison
+the values shown and the interval are both taken over the matched requests.
 
 Rates (``*_rps``, ``*_tps``) are counts over a fixed stage wall time. Resampling requests keeps
 their number fixed, which is right when both runs replayed the same seeded arrival schedule; when

@@ -258,7 +258,8 @@ CATEGORIES: dict[str, Mutation] = {
     "run.json []": run_json_whole([]),
     "run.json zero bytes": _on("run.json", zero),
     "run.json truncated": _on("run.json", lambda p, r: _put(p, p.read_bytes()[:200])),
-    "run.json missing": _on("run.json", delete),
+    # no run.json and no job file: nothing to recover the run from
+    "run.json and job files missing": lambda d, r: _delete_all(d, "run.json", "job-*.json"),
     "run.json stages a string": run_field("stages", "open"),
     "run.json endpoints a dict": run_field("endpoints", {"emu": 1}),
     "run.json config a list": run_field("config", [1, 2]),
@@ -270,6 +271,13 @@ CATEGORIES: dict[str, Mutation] = {
     "requests.parquet t_sent strings": lambda d, r: _set_column(
         d, "t_sent", lambda n: pa.array([f"t{j}" for j in range(n)])),
 }
+
+
+def _delete_all(run_dir: Path, *globs: str) -> str:
+    for g in globs:
+        for p in run_dir.glob(g):
+            p.unlink()
+    return globs[0]
 
 
 def _put(path: Path, data: bytes) -> str:
