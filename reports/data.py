@@ -41,20 +41,21 @@ def _read_run(path: Path | str) -> _Run:
     run_dir = Path(path)
     meta = read_meta(run_dir)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        scalar = pool.submit(read_table, run_dir, "requests", FRAME_COLUMNS, shards=False)
+        scalar = pool.submit(read_table, run_dir, "requests", FRAME_COLUMNS, shards=False,
+                             strict=True)
         gaps = _stream_gaps(scan(run_dir, "requests", columns=("chunk_offsets_ns", "status"),
-                                 batch_size=BATCH_ROWS, shards=False), pool, [])
+                                 batch_size=BATCH_ROWS, shards=False, strict=True), pool, [])
         tables = [scalar.result()]
         live: list[pa.RecordBatch] = []
         gaps = _stream_gaps(_keep_scalars(scan(
             run_dir, "requests", columns=(*FRAME_COLUMNS, "chunk_offsets_ns"),
-            batch_size=BATCH_ROWS, parquet=False), live), pool, gaps)
+            batch_size=BATCH_ROWS, parquet=False, strict=True), live), pool, gaps)
     if live:
         tables.append(pa.Table.from_batches(live))
     store = GapStore.concat(gaps) if gaps else GapStore(np.zeros(0, np.float32),
                                                         np.zeros(1, np.int64))
-    return _Run(run_dir, meta, pa.concat_tables(tables), store, read_table(run_dir, "gpu"),
-                read_table(run_dir, "engine"))
+    return _Run(run_dir, meta, pa.concat_tables(tables), store,
+                read_table(run_dir, "gpu", strict=True), read_table(run_dir, "engine", strict=True))
 
 
 _MAX_PENDING = 4  # batches of chunk lists waiting for a gap worker (bounds memory)

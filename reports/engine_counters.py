@@ -107,3 +107,64 @@ def preemptions(engine: pa.Table) -> dict[str, tuple[str, float]]:
     by_ep = adapters(engine)
     inc = _increases(engine, by_ep, lambda a: a.preemptions)
     return {ep: (by_ep[ep].preemptions, v) for ep, v in inc.items()}
+
+
+def _token_counters(a: EngineAdapter) -> dict[str, tuple[str, ...]]:
+    """Per quantity the records hold, the counters whose increases sum to it on this engine."""
+    out: dict[str, tuple[str, ...]] = {}
+    if a.prompt_tokens:
+        out["prompt_tokens"] = (a.prompt_tokens,)
+    elif a.queries_exclude_hits and a.prefix_hits and a.prefix_queries:
+        out["prompt_tokens"] = (a.prefix_hits, a.prefix_queries)  # cached + computed
+    if a.prefix_hits:
+        out["cached_tokens"] = (a.prefix_hits,)
+    if a.generation_tokens:
+        out["completion_tokens"] = (a.generation_tokens,)
+    return out
+
+
+def comparison(engine: pa.Table, frame: pd.DataFrame) -> list[dict]:
+    """Per endpoint and token count, the records' sum over the requests that finished
+    (server-reported usage) beside the increase of the engine's own counters over the run,
+    and why they may differ.
+
+    A request cancelled at the stop never received its usage, so the records lack its tokens
+    while the server counted its prompt (and cached) tokens: each endpoint's row says how many
+    there were. Rows: {endpoint, quantity, records, engine, diff, cancelled, note}."""
+    by_ep = adapters(engine)
+    if not by_ep:
+        return []
+    increases: dict[str, dict[str, float]] = {}
+    names = {n for a in by_ep.values() for ns in _token_counters(a).values() for n in ns}
+    for name in names:
+        for ep, v in counter_increase(engine, name).items():
+            increases.setdefault(ep, {})[name] = v
+    ep_col = frame["endpoint"].astype(str).to_numpy()
+    rows = []
+    for ep, a in sorted(by_ep.items()):
+        sel = ep_col == ep
+        if not sel.any():
+            continue
+        sub = frame[sel]
+        cancelled = int(sub["cancelled"].sum())
+        for quantity, counters in _token_counters(a).items():
+            inc = increases.get(ep, {})
+            if not all(c in inc for c in counters):
+                continue
+            # requests cancelled at the stop have no usage (their prompt count would be the
+            # client's plan): the records' side is the requests that finished
+            mine = float(np.nansum(sub[quantity].to_numpy()[~sub["cancelled"].to_numpy()]))
+            theirs = float(sum(inc[c] for c in counters))
+            note = ""
+            if cancelled and quantity != "completion_tokens":
+                note = (f"{cancelled:,} request{'s' * (cancelled != 1)} cancelled at the "
+                        "stop: the server counted their tokens, the client could not")
+            elif cancelled:
+                note = (f"{cancelled:,} request{'s' * (cancelled != 1)} cancelled at the "
+                        "stop: tokens the server generated for them before the cut are not "
+                        "in the records")
+            rows.append({"endpoint": ep, "quantity": quantity.replace("_", " "),
+                         "engine_family": a.title, "records": mine, "engine": theirs,
+                         "diff": (mine / theirs - 1) if theirs else float("nan"),
+                         "cancelled": cancelled, "note": note})
+    return rows

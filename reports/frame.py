@@ -200,6 +200,7 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     n = table.num_rows
     status = _categorical(table.column("status"))
     ok = np.asarray(status == "ok")
+    cancelled = np.asarray(status == "cancelled")  # cut by a stop: neither ok nor an error
     ttft_ns = _f64(table, "ttft_ns")
     e2e_ns = _f64(table, "e2e_ns")
     t_sent = table.column("t_sent").to_numpy(zero_copy_only=False)
@@ -223,6 +224,7 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
         "stage": table.column("stage").to_numpy(zero_copy_only=False),
         "turn": table.column("turn").to_numpy(zero_copy_only=False),
         "ok": ok,
+        "cancelled": cancelled,
         "http_status": _f64(table, "http_status"),
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -8,6 +8,9 @@ baseline gets a percentile confidence interval. A relative rule (``max_increase_
 
 Verdicts: ``pass`` when the whole interval is within the limit, ``fail`` when the whole
 interval lies beyond it, ``inconclusive`` when it straddles the limit (the change may be noise).
+A gate never passes on nothing: a run without records, a rule over a class or endpoint one run
+lacks, or no check at all is a ``DataError`` (exit 3), not a verdict. In a paired comparison
+the values shown and the interval are both taken over the matched requests.
 
 Rates (``*_rps``, ``*_tps``) are counts over a fixed stage wall time. Resampling requests keeps
 their number fixed, which is right when both runs replayed the same seeded arrival schedule; when
@@ -97,10 +100,23 @@ def same_schedule(baseline_meta: RunMeta, current_meta: RunMeta, endpoint: str) 
 PAIRED_MIN = 30  # fewer matched requests than this: the unpaired interval is used
 
 
+@dataclass(frozen=True)
+class Paired:
+    """A paired comparison: the statistic in each run over the matched requests only, and the
+    replicates of their ratio over the same requests."""
+
+    baseline: float
+    current: float
+    ratio: np.ndarray
+    pairs: int
+
+
 def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples: int,
-                  rng: np.random.Generator) -> tuple[np.ndarray, int] | None:
-    """Replicates of current/baseline for a per-request quantile or mean, resampling the
-    requests both runs sent (matched on session and turn) with the same indices in both.
+                  rng: np.random.Generator) -> Paired | None:
+    """Estimates and replicates of current/baseline for a per-request quantile or mean over
+    the requests both runs sent (matched on session and turn), resampled with the same
+    indices in both. The estimates are taken over those same requests, so the change shown
+    and its interval describe one set of requests.
 
     With the same seeded schedule, request i is the same prompt at the same offset in both
     runs, so its latencies are correlated; resampling pairs measures the noise of the
@@ -108,8 +124,7 @@ def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples:
     statistic of per-request values (ITL's pooled gaps, rates) keep the unpaired interval."""
     if not info.paired:
         return None
-    kb = fb["session_id"].astype(str).to_numpy() + "\x1f" + fb["turn"].astype(str).to_numpy()
-    kc = fc["session_id"].astype(str).to_numpy() + "\x1f" + fc["turn"].astype(str).to_numpy()
+    kb, kc = _request_keys(fb), _request_keys(fc)
     common, ib, ic = np.intersect1d(kb, kc, assume_unique=False, return_indices=True)
     if len(common) < PAIRED_MIN:
         return None
@@ -119,8 +134,16 @@ def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples:
     pc_ = fc["prompt_tokens"].to_numpy(np.float64)[ic]
     if np.mean(pb == pc_) < 0.9:
         return None
-    return info.paired_replicates(info.request_values(fb)[ib], info.request_values(fc)[ic],
-                                  resamples, rng)
+    vb, vc = info.request_values(fb)[ib], info.request_values(fc)[ic]
+    ratio, n = info.paired_replicates(vb, vc, resamples, rng)
+    return Paired(info.of(vb), info.of(vc), ratio, n)
+
+
+def _request_keys(f: pd.DataFrame) -> np.ndarray:
+    """session and turn of each request, as one string (a missing session is "")."""
+    sess = f["session_id"].astype(object).fillna("").astype(str)
+    turn = pd.Series(f["turn"].to_numpy(), index=sess.index).astype(object).fillna("").astype(str)
+    return (sess + "\x1f" + turn).to_numpy()
 
 
 def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -141,6 +164,12 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
     cur = _frame(current, slo)
     base = _frame(baseline, slo) if baseline is not None else None
     endpoints_cur = list(cur["endpoint"].cat.categories) if len(cur) else []
+    if not len(cur):
+        raise DataError(f"{_where(current)}: the current run has no records, so the gate has "
+                        "nothing to judge (not a pass); check that the run sent requests")
+    if base is not None and not len(base):
+        raise DataError(f"{_where(baseline)}: the baseline run has no records, so the gate "
+                        "has nothing to compare with (not a pass); choose another --baseline")
     out: list[RuleResult] = []
     for i, rule in enumerate(gate_cfg.rules):
         try:
@@ -155,10 +184,33 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
             raise DataError(f"gate rule {i} names endpoint {rule.endpoint!r}, which the current "
                             f"run does not have; use one of {endpoints_cur} or \"*\"")
         for ep in eps:
+            _require_records(i, rule, metric, ep, cur, current, "current")
+            if base is not None and rule.max_value is None:
+                _require_records(i, rule, metric, ep, base, baseline, "baseline")
             shared = baseline is not None and same_schedule(baseline.meta, current.meta, ep)
             out.append(_one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i,
                             shared_schedule=shared))
+    if not out:
+        raise DataError(f"{_where(current)}: the gate evaluated no check (no rule matched an "
+                        "endpoint of the current run), which is not a pass; fix the [gate] "
+                        "rules' endpoint names")
     return out
+
+
+def _where(results) -> str:
+    return str(getattr(results, "path", None) or "run")
+
+
+def _require_records(i: int, rule, metric: str, endpoint: str, frame: pd.DataFrame, results,
+                     side: str) -> None:
+    """A rule over a class (or endpoint) with no records in a run is an error, not a check."""
+    if len(_select(frame, endpoint, rule.request_class)):
+        return
+    cls = "any class" if rule.request_class == "*" else f"class {rule.request_class!r}"
+    raise DataError(f"{_where(results)}: the {side} run has no records of endpoint "
+                    f"{endpoint!r} and {cls}, so gate rule {i} ({metric}) cannot be judged "
+                    "(not a pass); fix the rule's class or endpoint, or choose runs that "
+                    "sent those requests")
 
 
 def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
@@ -210,9 +262,9 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
             note = "arrival schedules differ: the rate's interval includes Poisson count noise"
         paired = _paired_ratio(fb, fc, info, b, rng) if shared_schedule else None
         if paired is not None:
-            ratio, n_pairs = paired
-            note = (f"paired bootstrap over {n_pairs} requests replayed in both runs "
-                    "(same seeded schedule)")
+            ratio, est_b, est_c = paired.ratio, paired.baseline, paired.current
+            note = (f"paired bootstrap over {paired.pairs} requests replayed in both runs "
+                    "(same seeded schedule); both values over those requests")
         else:
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = reps_c / reps_b[rng.permutation(len(reps_b))]
@@ -232,8 +284,9 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
 
 
 def overall(results: list[RuleResult]) -> str:
+    """The worst verdict; no results is not a pass (``evaluate`` never returns none)."""
     if not results:
-        return "pass"
+        raise DataError("the gate evaluated no check, which is not a pass")
     return max((r.verdict for r in results), key=VERDICT_ORDER.__getitem__)
 
 
@@ -259,6 +312,17 @@ def junit_xml(results: list[RuleResult], suite: str = "kvbench-gate") -> str:
         lines.append("  </testcase>")
     lines.append("</testsuite>")
     return "\n".join(lines) + "\n"
+
+
+def junit_error(message: str, suite: str = "kvbench-gate") -> str:
+    """JUnit XML for a gate that could not judge: one test case in error, so CI shows it
+    instead of an empty (passing) suite."""
+    return "\n".join([
+        '<?xml version="1.0" encoding="UTF-8"?>',
+        f'<testsuite name={quoteattr(suite)} tests="1" failures="0" skipped="0" errors="1">',
+        f'  <testcase classname={quoteattr(suite)} name="gate">',
+        f'    <error message={quoteattr(message)}/>',
+        "  </testcase>", "</testsuite>"]) + "\n"
 
 
 _ICON = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE"}

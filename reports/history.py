@@ -77,7 +77,18 @@ def read_history(results_dir: Path | str, suite: str | None = None) -> pd.DataFr
         files = [f for f in files if f.parent.parent.name == f"suite={suite}"]
     if not files:
         return HISTORY.empty_table().to_pandas()
-    return pa.concat_tables([pq.read_table(f, schema=HISTORY) for f in files]).to_pandas()
+    return pa.concat_tables([_read_one(f) for f in files]).to_pandas()
+
+
+def _read_one(path: Path) -> pa.Table:
+    """One run's history rows; a damaged file is a ``DataError`` naming it."""
+    try:
+        return pq.read_table(path, schema=HISTORY)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        reason = "empty (0 bytes)" if path.stat().st_size == 0 else (
+            f"not a readable history file ({str(exc).splitlines()[0][:160]})")
+        raise DataError(f"{path}: {reason}; remove it (that run's history row is lost) and "
+                        "gate again") from None
 
 
 def last_pass(results_dir: Path | str, suite: str | None = None,

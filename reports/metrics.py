@@ -12,7 +12,10 @@ verdict can never disagree on a definition.
 
 Definitions (DESIGN.md; printed in every report's appendix from ``DEFINITIONS``):
 latency metrics count successful requests only; lateness counts every request sent; rates
-divide by the wall time of the load stages the rows came from.
+divide by the wall time of the load stages the rows came from. A request cancelled at the stop
+(status ``cancelled``: still in flight when its stage or the run ended) is neither a success
+nor an error: it is counted apart and left out of error rate, SLO attainment, throughput and
+latency.
 """
 
 from __future__ import annotations
@@ -43,16 +46,25 @@ DEFINITIONS = {
     "E2E": "end to end: last byte of the response minus t_sent (successful requests).",
     "lateness": "client lateness: t_sent - t_scheduled, every request sent (the load "
                 "generator's own delay; never hidden).",
-    "throughput": "requests finished (any status) per second of load-stage wall time; input and "
-                  "output tokens/s count successful requests' server-reported usage.",
+    "throughput": "requests finished (succeeded or failed; not those cancelled at the stop) per "
+                  "second of load-stage wall time; input and output tokens/s count successful "
+                  "requests' server-reported usage.",
     "goodput": "requests that succeeded and met every SLO of their class (TTFT, TPOT, E2E), per "
-               "second of load-stage wall time; errors count as misses.",
+               "second of load-stage wall time; SLO attainment is their share of the requests "
+               "that finished: errors count as misses, requests cancelled at the stop are left "
+               "out.",
     "hit ratio": "prefix-cache hit ratio: sum(cached_tokens) / sum(prompt_tokens) over "
                  "successful requests reporting cached_tokens; engine: increase of the "
                  "prefix-cache hit counter / increase of the query counter, as named by the "
                  "engine adapter of the endpoint's family (where the query counter counts only "
                  "computed tokens, as llama.cpp's does: hits / (hits + queries)).",
-    "error rate": "requests with a status other than ok / all requests.",
+    "error rate": "requests that failed (http_error, timeout, disconnected, protocol_error) / "
+                  "requests that finished (all but those cancelled at the stop).",
+    "cancelled": "cancelled at the stop: a request still in flight when its stage or the run "
+                 "ended (or was interrupted), cut by kvbench after the drain bound: recorded "
+                 "and counted apart, never an error, and left out of error rate, SLO "
+                 "attainment, throughput and latency. The server may still have counted its "
+                 "tokens.",
     "percentiles": "linear interpolation between order statistics (numpy's default); "
                    "confidence intervals by a seeded bootstrap over requests.",
     "wall time": "sum over the load stages in the rows of (t_end - t_start) from run.json; "
@@ -218,29 +230,49 @@ class _Sum(Metric):
         """Replicates of the metric (the estimate is known and finite)."""
 
 
+def finished(frame: pd.DataFrame) -> np.ndarray:
+    """Requests that finished, succeeded or failed: all but those cancelled at the stop."""
+    return ~frame["cancelled"].to_numpy()
+
+
+def failed(frame: pd.DataFrame) -> np.ndarray:
+    """Requests that failed (errors): neither ok nor cancelled at the stop."""
+    return ~frame["ok"].to_numpy() & ~frame["cancelled"].to_numpy()
+
+
 class Count(_Sum):
     """Requests whose flag is set, per second of stage wall time (``per_second``) or as a
-    share of all requests; binomial draws."""
+    share of the requests ``over`` selects (default: all); binomial draws over those."""
 
     def __init__(self, name: str, label: str, term: str, flag: Callable[[pd.DataFrame],
-                 np.ndarray], per_second: bool, higher_is_better: bool):
+                 np.ndarray], per_second: bool, higher_is_better: bool,
+                 over: Callable[[pd.DataFrame], np.ndarray] | None = None):
         super().__init__(name, label)
         self.term = term
         self.flag = flag
+        self.over = over
         self.per_second = per_second
         self.counts_arrivals = per_second
         self.higher_is_better = higher_is_better
         self.unit = "req/s" if per_second else "fraction"
 
+    def _flags(self, frame: pd.DataFrame) -> np.ndarray:
+        """The flag of each request of the denominator."""
+        flags = np.asarray(self.flag(frame), bool)
+        return flags if self.over is None else flags[np.asarray(self.over(frame), bool)]
+
     def value(self, frame):
         if self.per_second:
-            return _rate(int(self.flag(frame).sum()), frame)
-        n = len(frame)
-        return float(self.flag(frame).sum()) / n if n else math.nan
+            return _rate(int(np.asarray(self.flag(frame), bool).sum()), frame)
+        flags = self._flags(frame)
+        return float(flags.sum()) / len(flags) if len(flags) else math.nan
 
     def _draws(self, frame, resamples, rng):
-        draws = R.count_replicates(self.flag(frame), resamples, rng)
-        return draws / wall_s(frame) if self.per_second else draws / len(frame)
+        flags = self._flags(frame)  # resampling the requests that finished only
+        if not len(flags):
+            return _no_replicates(resamples)
+        draws = R.count_replicates(flags, resamples, rng)
+        return draws / wall_s(frame) if self.per_second else draws / len(flags)
 
 
 class TokenRate(_Sum):
@@ -320,16 +352,17 @@ def _register_latencies() -> None:
 
 
 _register_latencies()
-register(Count("throughput_rps", "throughput", "throughput", lambda f: np.ones(len(f), bool),
-               per_second=True, higher_is_better=True))
+register(Count("throughput_rps", "throughput", "throughput", finished,
+               per_second=True, higher_is_better=True, over=finished))
 register(Count("goodput_rps", "goodput at SLO", "goodput", lambda f: f["slo_met"].to_numpy(),
-               per_second=True, higher_is_better=True))
+               per_second=True, higher_is_better=True, over=finished))
 register(TokenRate("input_tps", "input tokens/s", "prompt_tokens"))
 register(TokenRate("output_tps", "output tokens/s", "completion_tokens"))
-register(Count("error_rate", "error rate", "error rate", lambda f: ~f["ok"].to_numpy(),
-               per_second=False, higher_is_better=False))
+register(Count("error_rate", "error rate", "error rate", failed,
+               per_second=False, higher_is_better=False, over=finished))
 register(Count("slo_attainment", "SLO attainment", "goodput",
-               lambda f: f["slo_met"].to_numpy(), per_second=False, higher_is_better=True))
+               lambda f: f["slo_met"].to_numpy(), per_second=False, higher_is_better=True,
+               over=finished))
 register(PrefixHitRatio("hit_ratio", "prefix hit ratio"))
 
 # name -> function(frame) -> float, for callers that only evaluate.
@@ -411,7 +444,7 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
 # group-bys
 
 # Columns the registry's metrics read (besides the group keys).
-METRIC_COLUMNS = ("ok", "slo_met", "stage_key", "stage_wall_s", "prompt_tokens",
+METRIC_COLUMNS = ("ok", "cancelled", "slo_met", "stage_key", "stage_wall_s", "prompt_tokens",
                   "completion_tokens", "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
                   "lateness_ms", "itl_row")
 
@@ -441,8 +474,18 @@ def summarise(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",),
     return pd.DataFrame(rows, columns=list(by) + ["requests"] + names)
 
 
+def outcomes(frame: pd.DataFrame) -> dict[str, int]:
+    """How the requests ended: {requests, ok, errors, cancelled} (cancelled at the stop is
+    neither ok nor an error), for run summaries and reports."""
+    ok = int(frame["ok"].sum())
+    cancelled = int(frame["cancelled"].sum())
+    return {"requests": len(frame), "ok": ok, "errors": len(frame) - ok - cancelled,
+            "cancelled": cancelled}
+
+
 def error_breakdown(frame: pd.DataFrame, by: Sequence[str] = ("endpoint",)) -> pd.DataFrame:
-    """Counts of requests by status (and ``by``), with each status's share of the group."""
+    """Counts of requests by status (and ``by``), with each status's share of the group.
+    Pass the errors only (``frame[failed(frame)]``) for a breakdown of errors."""
     g = frame.groupby(list(by) + ["status"], observed=True).size().rename("requests")
     out = g.reset_index()
     out["share"] = out["requests"] / out.groupby(list(by), observed=True)["requests"].transform(

@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from kvbench.model import costmodel
 from kvbench.reports import engine_counters as E
+from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
 from kvbench.reports.resampling import drop_nan
 
@@ -287,7 +288,7 @@ def gpu_timelines(d: ReportData) -> Figure | None:
 
 def errors_over_time(d: ReportData) -> Figure | None:
     f = d.frame
-    bad = ~f["ok"].to_numpy()
+    bad = M.failed(f)  # errors; requests cancelled at the stop are not
     if not bad.any():
         return None
     t = _times_rel_s(f)

@@ -105,7 +105,9 @@ def cost_per_m_output(d: ReportData, ep: str, output_tokens: float, wall_s: floa
     return float(cost) * float(gpus) * wall_s / 3600.0 / (output_tokens / 1e6)
 
 
-def build_context(d: ReportData, title: str | None = None) -> dict:
+def build_context(d: ReportData, title: str | None = None, figures: bool = True) -> dict:
+    """Everything a template shows; ``figures=False`` skips the plots (the Markdown report
+    has none)."""
     f = d.frame
     eps = d.endpoint_names
     lean = M.slim(f, ("endpoint", "topology"))
@@ -125,6 +127,10 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
     costs = {ep: cost_per_m_output(d, ep, out_tokens[ep], walls[ep]) for ep in eps}
 
     summary = [_row("requests", "count", [len(per_ep[ep]) for ep in eps], None)]
+    outcomes = {ep: M.outcomes(per_ep[ep]) for ep in eps}
+    if any(o["cancelled"] for o in outcomes.values()):
+        summary.append(_row("cancelled at the stop (not errors)", "count",
+                            [outcomes[ep]["cancelled"] for ep in eps], None))
     for name in SUMMARY_METRICS:
         info = M.METRIC_INFO[name]
         summary.append(_row(info.label, info.unit, [values[ep][name] for ep in eps],
@@ -148,17 +154,14 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
                    if 1 < f["topology"].nunique() < len(eps) else [])
     by_bucket = _group_tables(f, "prompt_bucket", metrics=("ttft_p50", "ttft_p99",
                                                            "tpot_p50", "hit_ratio"))
-    errors = M.error_breakdown(f[~f["ok"]], by=("endpoint",)) if (~f["ok"]).any() else None
-    error_rows = []
-    if errors is not None:
-        top_err = (f[~f["ok"]].groupby(["endpoint", "status", "error"], observed=True).size()
-                   .rename("n").reset_index().sort_values("n", ascending=False))
-        for _, r in errors.iterrows():
-            ex = top_err[(top_err["endpoint"] == r["endpoint"])
-                         & (top_err["status"] == r["status"])]
-            error_rows.append({"endpoint": r["endpoint"], "status": r["status"],
-                               "requests": f"{int(r['requests']):,}",
-                               "example": str(ex["error"].iloc[0]) if len(ex) else ""})
+    error_rows = _error_rows(f, outcomes)
+    cancelled = [{"endpoint": ep, "n": o["cancelled"],
+                  "text": f"{o['cancelled']:,} cancelled at the stop"}
+                 for ep, o in outcomes.items() if o["cancelled"]]
+    engine_rows = [{**r, "records_text": fmt(r["records"], "count"),
+                    "engine_text": fmt(r["engine"], "count"),
+                    "diff_text": "–" if math.isnan(r["diff"]) else f"{100 * r['diff']:+.1f}%"}
+                   for r in E.comparison(d.engine, f)]
 
     bake = {
         "by_goodput": sorted(({"endpoint": ep, "value": values[ep]["goodput_rps"],
@@ -173,7 +176,7 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
     }
     from kvbench.reports.plots import all_figures
 
-    figures = all_figures(d, stage_table, itl_cache)
+    figures = all_figures(d, stage_table, itl_cache) if figures else []
     findings = diagnose(d)
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
@@ -194,6 +197,9 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
         "by_topology": by_topology,
         "by_bucket": by_bucket,
         "errors": error_rows,
+        "cancelled": cancelled,
+        "outcomes": outcomes,
+        "engine_comparison": engine_rows,
         "bake": bake,
         "findings": findings,
         "figures": figures,
@@ -212,6 +218,30 @@ def build_context(d: ReportData, title: str | None = None) -> dict:
         "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
     }
+
+
+def _error_rows(f: pd.DataFrame, outcomes: dict[str, dict]) -> list[dict]:
+    """The errors by endpoint and status (requests cancelled at the stop are not errors),
+    each with its share of the endpoint's errors and its most frequent error text."""
+    bad = M.failed(f)
+    if not bad.any():
+        return []
+    errs = f.loc[bad, ["endpoint", "status", "error"]]
+    counts = M.error_breakdown(errs, by=("endpoint",))
+    top = (errs.groupby(["endpoint", "status", "error"], observed=True).size()
+           .rename("n").reset_index().sort_values("n", ascending=False, kind="stable"))
+    rows = []
+    for _, r in counts.iterrows():
+        ex = top[(top["endpoint"] == r["endpoint"]) & (top["status"] == r["status"])]
+        finished = outcomes[str(r["endpoint"])]["requests"] - outcomes[str(r["endpoint"])][
+            "cancelled"]
+        rows.append({"endpoint": r["endpoint"], "status": r["status"],
+                     "requests": f"{int(r['requests']):,}",
+                     "share": fmt(r["requests"] / finished if finished else math.nan,
+                                  "fraction"),
+                     "example": str(ex["error"].iloc[0]) if len(ex) else "",
+                     "example_n": f"{int(ex['n'].iloc[0]):,}" if len(ex) else ""})
+    return rows
 
 
 def _nz(x: float) -> float:
@@ -338,7 +368,7 @@ def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
     from kvbench.reports.data import load
 
     d = load(paths, slo=slo)
-    ctx = build_context(d, title)
+    ctx = build_context(d, title, figures=fmt_ == "html")
     return render_html(ctx) if fmt_ == "html" else render_md(ctx)
 
 

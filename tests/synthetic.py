@@ -31,6 +31,9 @@ class EndpointShape:
     itl_ms: float = 20.0
     hit_fraction: float = 0.5  # share of shared_prefix_tokens reported as cached
     error_rate: float = 0.0
+    # share of requests cancelled at the stop (in flight when the stage ended: no usage, no
+    # end), drawn among those that did not fail
+    cancel_rate: float = 0.0
     regions: Sequence[str] = ("us-east",)
     replicas: int = 4
     model: str = "kvbench-llama-3-70b"
@@ -107,6 +110,9 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
     status[bad] = "http_error"
     http = np.where(bad, 503, 200).astype(np.int32)
     error = np.where(bad, "503 Service Unavailable", None)
+    cut = ~bad & (rng.random(n) < ep.cancel_rate) if ep.cancel_rate else np.zeros(n, bool)
+    status[cut] = "cancelled"
+    error = np.where(cut, "stopped before the response ended", error)
     classes = np.asarray(shape.classes, dtype=object)[rng.integers(0, len(shape.classes), n)]
     turns = max(1, shape.sessions_turns)
     sess_idx = np.arange(n) // turns
@@ -127,13 +133,13 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
         "session_id": pa.array(session, pa.string()),
         "turn": pa.array(turn),
         "worker": pa.array(np.full(n, "host:1", dtype=object), pa.string()),
-        "prompt_tokens": pa.array(prompt),
+        "prompt_tokens": pa.array(prompt, mask=cut),
         "prompt_tokens_client": pa.array(prompt),
         "shared_prefix_tokens": pa.array(shared),
         "max_tokens": pa.array(out),
-        "completion_tokens": pa.array(np.where(bad, 0, out)),
+        "completion_tokens": pa.array(np.where(bad, 0, out), mask=cut),
         "completion_tokens_client": pa.array(np.where(bad, 0, out)),
-        "cached_tokens": pa.array(cached),
+        "cached_tokens": pa.array(cached, mask=cut),
         "t_scheduled": pa.array(t_sched),
         "t_sent": pa.array(t_sent),
         "connect_ns": pa.array(np.zeros(n, np.int64)),
@@ -142,7 +148,7 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
                                                      pa.array(values)),
         "chunk_tokens": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
                                                  pa.array(np.repeat(chunk_tok, k))),
-        "e2e_ns": pa.array(e2e),
+        "e2e_ns": pa.array(e2e, mask=cut),
         "status": pa.array(status, pa.string()),
         "http_status": pa.array(http),
         "error": pa.array(error, pa.string()),

@@ -179,16 +179,16 @@ def test_last_pass_skips_a_newer_failing_run(slow, store):
 
 
 def test_strict_inconclusive_and_data_errors(aa, store, tmp_path):
-    # A rule on a class the runs do not have has no data: inconclusive, exit 2 under --strict.
+    # A rule on a class the runs do not have cannot be judged: not a pass, not a verdict, but
+    # a data error (exit 3) with one sentence, with or without --strict.
     cfg = tmp_path / "bench.toml"
     cfg.write_text(CONFIG.format(results=store, slowdown=1.0).replace(
         'metric = "ttft_p50", class = "*"', 'metric = "ttft_p50", class = "agent"'))
-    p = _kvbench("gate", "--baseline", str(store / "a"), "--current", str(store / "b"),
-                 "--config", str(cfg), "--strict", "--no-history")
-    assert p.returncode == 2, p.stdout + p.stderr
-    p = _kvbench("gate", "--baseline", str(store / "a"), "--current", str(store / "b"),
-                 "--config", str(cfg), "--no-history")
-    assert p.returncode == 0, p.stdout + p.stderr
+    for strict in (["--strict"], []):
+        p = _kvbench("gate", "--baseline", str(store / "a"), "--current", str(store / "b"),
+                     "--config", str(cfg), "--no-history", *strict)
+        assert p.returncode == 3, p.stdout + p.stderr
+        assert p.stderr.count("\n") == 1 and "class 'agent'" in p.stderr, p.stderr
     p = _kvbench("gate", "--baseline", "no-such-run", "--current", str(store / "b"),
                  "--no-history")
     assert p.returncode == 3 and "no-such-run" in p.stderr and "Traceback" not in p.stderr

@@ -48,8 +48,22 @@ def run(args) -> int:
     try:
         return _run(args)
     except UserError as exc:
-        # The gate's contract: usage and data errors exit 3, whatever their kind.
+        # The gate's contract: usage and data errors exit 3, whatever their kind; CI files
+        # asked for say so too (an error case, not an empty passing suite).
+        _write_error(args, str(exc))
         raise DataError(str(exc)) from None
+
+
+def _write_error(args, message: str) -> None:
+    from kvbench.reports import gate
+
+    try:
+        if args.junit:
+            Path(args.junit).write_text(gate.junit_error(message))
+        if args.markdown:
+            Path(args.markdown).write_text(f"### kvbench gate: **ERROR**\n\n{message}\n")
+    except OSError:
+        pass  # the sentence on stderr still says it
 
 
 def _run(args) -> int:
@@ -71,6 +85,9 @@ def _run(args) -> int:
         except Exception as exc:
             raise DataError(f"{current_path / 'run.json'}: its gate rules are invalid ({exc}); "
                             "pass --config bench.toml") from None
+        if not gate_cfg.rules:
+            raise DataError(f"{current_path / 'run.json'}: its config has no [gate] rules; "
+                            "pass --config bench.toml with [gate] rules")
         slo = resolved.get("slo") or {}
         results_dir = Path(args.results_dir) if args.results_dir else current_path.parent
     suite = current.meta.suite

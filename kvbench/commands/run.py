@@ -132,12 +132,12 @@ def _summary(run_dir: Path, counts: dict) -> None:
         print(f"kvbench run: no requests recorded; results in {run_dir}")
         return
     frame = M.request_frame(res.requests, stages=res.meta.stages or ())
-    print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'TTFT p50 ms':>12} "
-          f"{'TPOT p50 ms':>12}")
+    print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'cancelled':>9} "
+          f"{'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
     for ep in frame["endpoint"].cat.categories:
         sub = frame[frame["endpoint"] == ep]
-        n_ok = int(sub["ok"].sum())
-        print(f"{ep:<16} {len(sub):>8} {n_ok:>6} {len(sub) - n_ok:>6} "
+        o = M.outcomes(sub)  # cancelled at the stop: neither ok nor an error
+        print(f"{ep:<16} {o['requests']:>8} {o['ok']:>6} {o['errors']:>6} {o['cancelled']:>9} "
               f"{M.statistic(sub, 'ttft_p50'):>12.1f} {M.statistic(sub, 'tpot_p50'):>12.1f}")
     print(f"kvbench run: {counts['records_written']} records of {counts['requests_started']} "
           f"requests started, {counts['dropped_at_cap']} dropped at the in-flight cap; "

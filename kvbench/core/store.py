@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from kvbench.core.errors import DataError
-from kvbench.core.schema import SCHEMA_VERSION, TABLES
+from kvbench.core.schema import SCHEMA_VERSION, STATUSES, TABLES
 
 
 def new_run_id(suite: str = "default") -> str:
@@ -101,7 +102,10 @@ class RunMeta:
     schema_version: int = SCHEMA_VERSION
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunMeta":
+    def from_dict(cls, data: dict, source: Path | str = "run.json") -> "RunMeta":
+        """The typed view of a run.json dict, its field types checked first: a wrong type is
+        a ``DataError`` naming ``source``, the field and what was found."""
+        check_run_json(data, source)
         known = {f.name for f in fields(cls)} - {"extra"}
         kw = {k: v for k, v in data.items() if k in known and v is not None}
         extra = {k: v for k, v in data.items() if k not in known}
@@ -129,21 +133,151 @@ def write_run_json(run_dir: Path, meta: RunMeta) -> None:
 
 
 def read_meta(run_dir: Path | str) -> RunMeta:
-    """run.json of a run directory, checked: present, readable, of this schema version."""
+    """run.json of a run directory, checked: present, readable, a JSON object of this schema
+    version whose fields have their types (``check_run_json``)."""
     run_dir = Path(run_dir)
     meta_path = run_dir / "run.json"
     if not meta_path.exists():
         raise DataError(f"{run_dir}: no run.json there; give a results directory written by "
                         "kvbench run or a locustfile")
     try:
-        data = json.loads(meta_path.read_text())
-    except ValueError as exc:
-        raise DataError(f"{meta_path}: unreadable run.json ({exc}); rerun or restore it") from None
-    ver = data.get("schema_version") if isinstance(data, dict) else None
+        data = json.loads(meta_path.read_bytes())
+    except OSError as exc:
+        raise DataError(f"{meta_path}: cannot be read ({exc.strerror or exc}); check the "
+                        "file's permissions or restore it") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        what = "empty" if not meta_path.stat().st_size else f"not valid JSON ({exc})"
+        raise DataError(f"{meta_path}: run.json is {what}; restore it from a copy, or rerun "
+                        "the run") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{meta_path}: run.json holds {_json_kind(data)}, not the JSON object "
+                        "kvbench writes; restore it from a copy, or rerun the run")
+    ver = data.get("schema_version")
     if ver != SCHEMA_VERSION:
-        raise DataError(f"{meta_path}: results of schema version {ver}, this kvbench reads "
+        raise DataError(f"{meta_path}: results of schema version {ver!r}, this kvbench reads "
                         f"version {SCHEMA_VERSION}; use the kvbench version that wrote them")
-    return RunMeta.from_dict(data)
+    return RunMeta.from_dict(data, meta_path)
+
+
+def _json_kind(value) -> str:
+    """How a JSON value reads in a sentence: 'a list', 'the number 7', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        short = value if len(value) <= 40 else value[:37] + "..."
+        return f"the string {short!r}"
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'s' * (len(value) != 1)}"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+# The types of run.json's fields that readers rely on (others pass through): checked by
+# pydantic in strict mode, so "7" is not an int and true is not a number. Times are epoch ns
+# within int64, as the records' own.
+def _run_json_models():
+    from typing import Annotated, Any, Optional
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    Ns = Annotated[int, Field(ge=0, lt=2**63)]
+    Num = Annotated[float, Field(allow_inf_nan=False)]
+    Count = Annotated[int, Field(ge=0)]
+
+    class _Loose(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+
+    class Stage(_Loose):
+        endpoint: Optional[str] = None
+        workload: Optional[str] = None
+        profile: Optional[str] = None
+        index: Count = 0
+        pacing: Optional[str] = None
+        rate_rps: Optional[Num] = None
+        users: Optional[Count] = None
+        duration_s: Optional[Num] = None
+        t_start_ns: Optional[Ns] = None
+        t_end_ns: Optional[Ns] = None
+
+    class Endpoint(_Loose):
+        name: str
+        topology: Optional[str] = None
+        url: Optional[str] = None
+        model: Optional[str] = None
+        kind: Optional[str] = None
+        gpus: Optional[Count] = None
+        gpu_hour_cost: Optional[Num] = None
+
+    class Slo(_Loose):
+        ttft_ms: Optional[Num] = None
+        tpot_ms: Optional[Num] = None
+        e2e_ms: Optional[Num] = None
+
+    class Config(_Loose):
+        slo: Optional[dict[str, Slo]] = None
+        gate: Optional[dict[str, Any]] = None
+        suite: Optional[dict[str, Any]] = None
+        workloads: Optional[dict[str, Any]] = None
+        endpoints: Optional[list[dict[str, Any]]] = None
+
+    class Described(_Loose):  # the describe() keys reports read
+        requests: Optional[Count] = None
+        block_tokens: Optional[Count] = None
+        capacity_tokens: Optional[Count] = None
+        theoretical_hit_ratio_lru: Optional[Num] = None
+        theoretical_hit_ratio_unbounded: Optional[Num] = None
+
+    class Run(_Loose):
+        schema_version: Optional[int] = None
+        run_id: Optional[str] = None
+        suite: Optional[str] = None
+        started_ns: Optional[Ns] = None
+        ended_ns: Optional[Ns] = None
+        config: Optional[Config] = None
+        versions: Optional[dict[str, Any]] = None
+        git_commit: Optional[str] = None
+        hosts: Optional[list[Any]] = None
+        endpoints: Optional[list[Endpoint]] = None
+        stages: Optional[list[Stage]] = None
+        clock_offsets_ns: Optional[dict[str, Any]] = None
+        telemetry: Optional[dict[str, Any]] = None
+        incomplete: Optional[list[dict[str, Any]]] = None
+        counts: Optional[dict[str, Any]] = None
+        workloads: Optional[dict[str, Any]] = None
+        workloads_sent: Optional[dict[str, dict[str, Described]]] = None
+
+    return Run
+
+
+_RUN_MODEL = None
+
+
+def check_run_json(data, source: Path | str = "run.json") -> None:
+    """Raise a ``DataError`` naming ``source`` and the first field whose type is wrong."""
+    from pydantic import ValidationError
+
+    global _RUN_MODEL
+    if not isinstance(data, dict):
+        raise DataError(f"{source}: holds {_json_kind(data)}, not a JSON object; restore it "
+                        "from a copy, or rerun the run")
+    if _RUN_MODEL is None:
+        _RUN_MODEL = _run_json_models()
+    try:
+        _RUN_MODEL.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        msg = first["msg"]
+        msg = msg[len("Input "):] if msg.startswith("Input ") else msg[0].lower() + msg[1:]
+        more = len(exc.errors()) - 1
+        raise DataError(f"{source}: field {loc} {msg}, found {_json_kind(first.get('input'))}"
+                        f"{f' ({more} more problems)' if more else ''}; restore run.json from "
+                        "a copy, or rerun the run") from None
 
 
 # --------------------------------------------------------------------------- writing tables
@@ -218,53 +352,196 @@ def write_proc_meta(run_dir: Path | str, meta: dict) -> Path:
 
 
 def read_proc_meta(run_dir: Path | str) -> list[dict]:
-    """The sidecars of every load process of a run (unreadable ones skipped)."""
+    """The sidecars of every load process of a run. Each is written whole (temp file and
+    rename), so one that is not a JSON object with counts, stages and incomplete of their
+    types is damaged: a ``DataError`` naming it."""
     out = []
     for p in sorted(Path(run_dir).glob("proc-*.json")):
         try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
+            data = json.loads(p.read_bytes())
+        except OSError as exc:
+            raise DataError(f"{p}: cannot be read ({exc.strerror or exc}); check its "
+                            "permissions or remove it") from None
+        except ValueError as exc:
+            raise DataError(f"{p}: a load process's sidecar that is not valid JSON ({exc}); "
+                            "remove it (its process's counts are then unknown)") from None
+        problem = _proc_meta_problem(data)
+        if problem:
+            raise DataError(f"{p}: a load process's sidecar whose {problem}; remove it (its "
+                            "process's counts are then unknown)")
+        out.append(data)
     return out
+
+
+def _proc_meta_problem(data) -> str | None:
+    if not isinstance(data, dict):
+        return f"content is {_json_kind(data)}, not an object"
+    counts = data.get("counts", {})
+    if not isinstance(counts, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in counts.values()):
+        return "counts are not whole numbers by name"
+    stages = data.get("stages", [])
+    if not isinstance(stages, list) or not all(
+            isinstance(st, dict) and all(isinstance(st.get(k), int) and not isinstance(
+                st.get(k), bool) for k in ("t_start_ns", "t_end_ns")) for st in stages):
+        return "stages are not a list of objects with integer t_start_ns and t_end_ns"
+    if not isinstance(data.get("incomplete", []), list):
+        return "incomplete is not a list"
+    return None
 
 
 # --------------------------------------------------------------------------- reading tables
 
 
-def _conform(batch: pa.RecordBatch, schema: pa.Schema,
-             columns: Sequence[str] | None) -> pa.RecordBatch:
-    """``batch`` with the schema's types and ``columns`` (missing ones as nulls)."""
+# Columns without which a file is not that table at all (older files may lack later columns,
+# which read as nulls).
+REQUIRED = {"requests": ("endpoint", "status", "t_scheduled", "t_sent"),
+            "gpu": ("t_ns",),
+            "engine": ("t_ns", "endpoint", "metric", "value")}
+# Columns every finished record of a table has (checked by ``scan(strict=True)``).
+NOT_NULL = {"requests": ("endpoint", "status"), "gpu": ("t_ns",), "engine": ("t_ns", "metric")}
+_IPC_MARKER = b"\xff\xff\xff\xff"  # every Arrow IPC stream message starts with it
+
+
+def _compatible(have: pa.DataType, want: pa.DataType) -> bool:
+    """True when a column written as ``have`` reads as ``want`` without changing meaning: the
+    same type, integers of another width, integers or floats as floats, string widths and
+    dictionaries of strings, lists of compatible values, or an all-null column."""
+    t = pa.types
+    if have == want or t.is_null(have):
+        return True
+    if t.is_dictionary(have):
+        return _compatible(have.value_type, want)
+    if t.is_integer(want):
+        return t.is_integer(have)
+    if t.is_floating(want):
+        return t.is_integer(have) or t.is_floating(have)
+    if t.is_string(want) or t.is_large_string(want):
+        return t.is_string(have) or t.is_large_string(have)
+    if t.is_list(want) or t.is_large_list(want):
+        return (t.is_list(have) or t.is_large_list(have)) and _compatible(
+            have.value_type, want.value_type)
+    return False
+
+
+def check_schema(have: pa.Schema, table: str, path: Path) -> None:
+    """Raise a ``DataError`` naming ``path`` when a file's schema is not one of ``table``'s:
+    a required column missing, or a column of a type that does not read as the schema's."""
+    schema = TABLES[table]
+    missing = [c for c in REQUIRED.get(table, ()) if c not in have.names]
+    if missing:
+        cols = ", ".join(have.names[:6]) + (", ..." if len(have.names) > 6 else "")
+        raise DataError(f"{path}: not a {table} table of schema v{SCHEMA_VERSION} (no column "
+                        f"{', '.join(missing)}; it has {cols or 'no columns'}); remove it or "
+                        "restore the run's own file")
+    for f in have:
+        if f.name in schema.names and not _compatible(f.type, schema.field(f.name).type):
+            raise DataError(f"{path}: column {f.name} is {f.type}, the {table} schema has "
+                            f"{schema.field(f.name).type}; the file was not written by "
+                            "kvbench, or is damaged: restore the run's own file")
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema, columns: Sequence[str] | None,
+             path: Path | None = None, table: str = "", strict: bool = False
+             ) -> pa.RecordBatch:
+    """``batch`` with the schema's types and ``columns`` (missing ones as nulls); a value
+    that does not read as its column's type is a ``DataError`` naming ``path``, and so is,
+    when ``strict``, a null where every finished record has a value or an unknown status."""
     names = list(columns) if columns is not None else schema.names
     arrays = []
     for name in names:
         typ = schema.field(name).type
         i = batch.schema.get_field_index(name)
-        arrays.append(batch.column(i).cast(typ) if i >= 0 else pa.nulls(batch.num_rows, typ))
+        if i < 0:
+            arrays.append(pa.nulls(batch.num_rows, typ))
+            continue
+        try:
+            col = batch.column(i).cast(typ)
+        except (pa.ArrowException, ValueError) as exc:
+            raise DataError(f"{path}: column {name} does not read as {typ} "
+                            f"({str(exc).splitlines()[0]}); restore the run's own file") from None
+        if strict and name in NOT_NULL.get(table, ()) and col.null_count:
+            raise DataError(f"{path}: {col.null_count} record(s) without a {name}, which every "
+                            f"{table} record has; the file is damaged: restore the run's own "
+                            "file")
+        if strict and table == "requests" and name == "status":
+            bad = pc.filter(col, pc.invert(pc.is_in(col, pa.array(STATUSES))))
+            if len(bad):
+                raise DataError(f"{path}: status {bad[0].as_py()!r} is not one of "
+                                f"{', '.join(STATUSES)}; the file is damaged or of another "
+                                "kvbench version")
+        arrays.append(col)
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([schema.field(n) for n in names]))
 
 
-def _shard_batches(run_dir: Path, table: str) -> Iterator[pa.RecordBatch]:
-    """Every complete batch of every ``<table>-*.arrows`` shard (a killed writer loses only
-    its unfinished batch)."""
+def _shard_batches(run_dir: Path, table: str) -> Iterator[tuple[Path, pa.RecordBatch]]:
+    """Every complete batch of every ``<table>-*.arrows`` shard, with its file (a killed
+    writer loses only its unfinished batch; an empty file is a process that wrote nothing).
+    A file that is not an Arrow stream, or one of another schema, is a ``DataError``."""
     for shard in sorted(run_dir.glob(f"{table}-*.arrows")):
         try:
             with open(shard, "rb") as fh:
-                reader = ipc.open_stream(fh)
+                head = fh.read(4)
+                if not head:
+                    continue
+                if head != _IPC_MARKER:
+                    raise DataError(f"{shard}: not an Arrow IPC stream (a {table} shard starts "
+                                    "with one); remove it or restore the run's own file")
+                fh.seek(0)
+                try:
+                    reader = ipc.open_stream(fh)
+                except (pa.ArrowInvalid, OSError):
+                    continue  # killed while writing the schema: no records in it
+                check_schema(reader.schema, table, shard)
                 while True:
                     try:
-                        yield reader.read_next_batch()
+                        batch = reader.read_next_batch()
                     except StopIteration:
                         break
-        except (pa.ArrowInvalid, OSError):
-            continue  # truncated mid-batch: keep what was read
+                    except (pa.ArrowInvalid, OSError):
+                        break  # truncated mid-batch: keep what was read
+                    try:
+                        batch.validate(full=True)
+                    except pa.ArrowInvalid:
+                        break  # a batch cut or damaged at the end: keep what was read
+                    yield shard, batch
+        except OSError as exc:
+            raise DataError(f"{shard}: cannot be read ({exc.strerror or exc}); check its "
+                            "permissions or remove it") from None
+
+
+def _parquet_batches(pfile: Path, table: str, read_cols: Sequence[str] | None,
+                     batch_size: int) -> Iterator[pa.RecordBatch]:
+    """Record batches of a table's parquet file; a file that is not Parquet, is cut short,
+    damaged or of another schema is a ``DataError`` naming it."""
+    def damaged(exc: Exception) -> DataError:
+        size = pfile.stat().st_size if pfile.exists() else 0
+        what = ("empty (0 bytes)" if size == 0 else
+                f"not a readable Parquet file ({str(exc).splitlines()[0][:160]})")
+        return DataError(f"{pfile}: {what}; the run's {table} records cannot be read: restore "
+                         "the file or rerun the run")
+    try:
+        pf = pq.ParquetFile(pfile)
+        have = pf.schema_arrow
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise damaged(exc) from None
+    check_schema(have, table, pfile)
+    read = [c for c in (read_cols or TABLES[table].names) if c in have.names]
+    try:
+        for batch in pf.iter_batches(batch_size=batch_size, columns=read):
+            yield batch
+    except (pa.ArrowException, OSError, ValueError, IndexError, EOFError) as exc:
+        raise damaged(exc) from None
 
 
 def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
          batch_size: int = 65_536, parquet: bool = True,
-         shards: bool = True) -> Iterator[pa.RecordBatch]:
+         shards: bool = True, strict: bool = False) -> Iterator[pa.RecordBatch]:
     """The one reader of a run's tables: record batches of ``<table>.parquet`` (if compacted),
     then of its live shards, each conformed to schema v1 (``columns`` only, missing columns of
-    older files as nulls)."""
+    older files as nulls). A damaged file is a ``DataError`` naming it; ``strict`` (readers of
+    finished runs: reports, the gate) also refuses records without the values every finished
+    record has (``NOT_NULL``) and unknown statuses."""
     run_dir = Path(run_dir)
     schema = TABLES[table]
     if columns is not None:
@@ -273,14 +550,11 @@ def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
             raise ValueError(f"{table} has no column(s) {unknown}")
     pfile = run_dir / f"{table}.parquet"
     if parquet and pfile.exists():
-        pf = pq.ParquetFile(pfile)
-        have = set(pf.schema_arrow.names)
-        read = [c for c in (columns or schema.names) if c in have]
-        for batch in pf.iter_batches(batch_size=batch_size, columns=read):
-            yield _conform(batch, schema, columns)
+        for batch in _parquet_batches(pfile, table, columns, batch_size):
+            yield _conform(batch, schema, columns, pfile, table, strict)
     if shards:
-        for batch in _shard_batches(run_dir, table):
-            yield _conform(batch, schema, columns)
+        for shard, batch in _shard_batches(run_dir, table):
+            yield _conform(batch, schema, columns, shard, table, strict)
 
 
 def read_table(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
@@ -330,4 +604,5 @@ def load_results(path: Path | str) -> Results:
     """Read one run directory: run.json plus every table (parquet, then live shards)."""
     run_dir = Path(path)
     meta = read_meta(run_dir)
-    return Results(run_dir, meta, {name: read_table(run_dir, name) for name in TABLES})
+    return Results(run_dir, meta, {name: read_table(run_dir, name, strict=True)
+                                   for name in TABLES})
