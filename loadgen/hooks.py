@@ -183,6 +183,8 @@ def interruption(environment) -> str | None:
     if runner is None or runner.state not in RUNNING:
         return None
     sig = getattr(environment, "kvbench_signal", None)
+    if sig and lifeline.orphaned():
+        return f"{sig}: the process that started this load process died"
     return f"{sig} to the load process" if sig else "stopped before its planned end"
 
 

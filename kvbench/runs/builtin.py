@@ -33,6 +33,9 @@ def start(ep) -> tuple[subprocess.Popen, str]:
         line = lines.get(timeout=START_TIMEOUT_S)
     except queue.Empty:
         line = ""
+    except BaseException:  # interrupted while it starts: it must not outlive the run
+        stop(proc)
+        raise
     if "listening on" not in line:
         stop(proc)
         err = (proc.stderr.read() or "").strip().splitlines()

@@ -16,6 +16,12 @@ import time
 
 PARENT_ENV = "KVBENCH_PARENT_PID"  # set by kvbench run for the children it starts
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_watched: int | None = None  # the parent pid this process watches
+
+
+def orphaned() -> bool:
+    """Whether the parent this process watches has died (its signal came from the lifeline)."""
+    return _watched is not None and os.getppid() != _watched
 
 
 def child_env() -> dict:
@@ -31,6 +37,8 @@ def watch_parent(parent_pid: int | None = None, sig: int = signal.SIGTERM) -> bo
         if not env.isdigit():
             return False
         parent_pid = int(env)
+    global _watched
+    _watched = parent_pid
     if not _pdeathsig(sig):
         threading.Thread(target=_poll, args=(parent_pid, sig), daemon=True,
                          name="kvbench-lifeline").start()
