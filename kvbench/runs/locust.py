@@ -77,9 +77,9 @@ def command(job: Job, job_file: Path, processes: int) -> tuple[list[str], float]
         cmd += ["--processes", str(processes), "--master-bind-host", "127.0.0.1",
                 "--master-bind-port", str(port), "--master-port", str(port)]
     # At the stage's end users start nothing new; what is in flight may finish for drain_s
-    # (Locust's --stop-timeout), then it is cancelled and recorded as cancelled at the stop.
+    # (the job's: the child sets Locust's stop timeout to it, which takes whole seconds only),
+    # then it is cancelled and recorded as cancelled at the stop.
     drain = min(job.timeout_s, job.drain_s)
-    cmd += ["--stop-timeout", f"{drain:g}"]
     if job.pacing == "closed":
         st = job.stages[job.stage_index]
         cmd += ["-u", str(st.users), "-r", str(st.users),
