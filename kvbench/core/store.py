@@ -347,9 +347,14 @@ def unfinished_starts(run_dir: Path | str, records: pa.Table) -> pa.Table:
     starts = read_starts(run_dir)
     if starts.num_rows == 0:
         return REQUESTS.empty_table()
-    done = records.select(["worker", "request_id"]).append_column(
-        "_done", pa.array([True] * records.num_rows, pa.bool_()))
-    starts = starts.join(done, ["worker", "request_id"], join_type="left anti")
+    import pyarrow.compute as pc
+
+    def keyed(t: pa.Table) -> pa.Table:  # a null worker (a hand-made shard) matches null
+        return t.append_column("_w", pc.fill_null(t.column("worker"), ""))
+
+    done = keyed(records.select(["worker", "request_id"])).drop_columns(["worker"])
+    starts = keyed(starts).join(done, ["_w", "request_id"], join_type="left anti")
+    starts = starts.drop_columns(["_w"])
     starts = starts.combine_chunks()  # one row per start still: (worker, request_id) is unique
     n = starts.num_rows
     cols = []
