@@ -144,6 +144,9 @@ def on_test_start(environment, **kw) -> None:
         o.kvbench_workers = max(1, environment.runner.worker_count)
     if not getattr(environment, "kvbench_started_ns", None):
         environment.kvbench_started_ns = time.time_ns()
+    ctx = getattr(environment, "kvbench", None)
+    if ctx is not None and ctx.pacing == "closed" and ctx.stopping.is_set():
+        ctx.stopping.clear()  # a test started again (web UI): its users may send again
 
 
 @events.test_stopping.add_listener

@@ -113,8 +113,11 @@ def run(args) -> int:
                                             "why": f"locust exited with code {out.rc}"})
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Interrupted)
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        print(f"kvbench run: interrupted ({interrupted}); stopping the load and the built-in "
-              "endpoints, writing what was recorded", file=sys.stderr, flush=True)
+        try:
+            print(f"kvbench run: interrupted ({interrupted}); stopping the load and the "
+                  "built-in endpoints, writing what was recorded", file=sys.stderr, flush=True)
+        except OSError:  # SIGHUP: the terminal may be gone; the cleanup matters more
+            pass
     finally:
         for sig in STOP_SIGNALS:  # the load is over: stop everything, write run.json whole
             signal.signal(sig, signal.SIG_IGN)
