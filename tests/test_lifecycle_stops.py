@@ -129,7 +129,8 @@ def test_kvbench_run_shows_cancelled_apart_from_errors(slow, tmp_path):
     assert job["drain_s"] == 0.5
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM],
+                         ids=lambda s: signal.Signals(s).name)
 def test_interrupted_plain_run_says_so(slow, tmp_path, sig):
     """Before: rc 0, ``incomplete: []``, ``stages: []``."""
     cfg = config(tmp_path, slow, tokens=200)
