@@ -148,7 +148,9 @@ class Job:
     def save(self, path: Path | str) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # --processes workers race
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        os.replace(tmp, path)
         return path
 
     def secret_env(self) -> dict:
