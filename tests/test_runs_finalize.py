@@ -160,12 +160,18 @@ def test_recover_refuses_a_run_still_going(tmp_path):
     import os
     import socket
 
-    store.write_proc_meta(tmp_path, {"closed": False, "counts": {},
-                                     "worker": f"{socket.gethostname()}:{os.getpid()}"})
-    try:
-        F.recover(tmp_path)
-    except DataError as exc:
-        assert "still going" in str(exc)
-    else:
-        raise AssertionError("recovered a live run")
-    assert not (tmp_path / "run.json").exists()
+    live = tmp_path / "load"
+    live.mkdir()
+    store.write_proc_meta(live, {"closed": False, "counts": {},
+                                 "worker": f"{socket.gethostname()}:{os.getpid()}"})
+    driven = tmp_path / "driven"  # between two Locust runs of kvbench run: no load process
+    write_shards(driven)
+    F.mark_running(driven)
+    for run_dir, why in ((live, "still going"), (driven, "still driving it")):
+        try:
+            F.recover(run_dir)
+        except DataError as exc:
+            assert why in str(exc)
+        else:
+            raise AssertionError("recovered a live run")
+        assert not (run_dir / "run.json").exists()

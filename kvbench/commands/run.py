@@ -95,6 +95,7 @@ def run(args) -> int:
         jobs = matrix.jobs(cfg, sel, checked, run_id=run_id, results_dir=results_dir,
                            duration_scale=args.duration_scale)
         run_dir.mkdir(parents=True, exist_ok=True)
+        finalize.mark_running(run_dir)  # recovery leaves the run alone while this lives
         collectors = telemetry.start(run_dir, cfg, jobs, notes)
         total_s = sum(matrix.expected_s(j) for j in jobs)
         print(f"kvbench run: {len(jobs)} Locust run(s), about {total_s:.0f} s of load; records "
@@ -134,6 +135,7 @@ def run(args) -> int:
             clock_offsets_ns=notes["clock_offsets_ns"], interrupted=why,
             meta=None if jobs else {"run_id": run_id, "suite": cfg.suite.name,
                                     "config": cfg.public_dump()})
+        finalize.mark_running(run_dir, False)
         _link_latest(results_dir, run_id)
         _summary(run_dir, meta)
     finally:

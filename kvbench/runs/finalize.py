@@ -5,6 +5,7 @@ that wrote shards itself, and by ``recover`` for a run whose finalizer was kille
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -178,6 +179,19 @@ def _cut(stage: dict, t_end_ns: int) -> dict:
     return st
 
 
+RUNNER_FILE = "runner.json"  # kvbench run's {"worker": "host:pid"} while it drives the run
+
+
+def mark_running(run_dir: Path, running: bool = True) -> None:
+    """Say (or stop saying) that this process drives ``run_dir``, so ``recover`` waits."""
+    path = Path(run_dir) / RUNNER_FILE
+    if running:
+        path.write_text(json.dumps({"worker": f"{socket.gethostname()}:{os.getpid()}",
+                                    "updated_ns": time.time_ns()}))
+    else:
+        path.unlink(missing_ok=True)
+
+
 def recover(run_dir: Path | str) -> store.RunMeta | None:
     """run.json of a run whose finalizer never wrote it (a SIGKILL of the load process or of
     ``kvbench run``): shards compacted (starts without a record become ``cancelled``), rebuilt
@@ -190,6 +204,14 @@ def recover(run_dir: Path | str) -> store.RunMeta | None:
     metas = store.read_proc_meta(run_dir)
     if not (job_files or metas or any(run_dir.glob("*.arrows"))):
         return None
+    runner = run_dir / RUNNER_FILE
+    try:
+        driver = json.loads(runner.read_text()) if runner.exists() else None
+    except (OSError, ValueError):
+        driver = None
+    if isinstance(driver, dict) and _alive(driver):
+        raise DataError(f"{run_dir}: kvbench run (process {driver.get('worker')}) is still "
+                        "driving it; wait for it to end, or stop it first")
     for m in metas:
         if not m.get("closed", True) and _alive(m):
             raise DataError(f"{run_dir}: its run is still going (process {m.get('worker')} "
@@ -216,11 +238,13 @@ def recover(run_dir: Path | str) -> store.RunMeta | None:
     why = ("killed before run.json was written; recovered from its shards" if killed else
            f"{said}; run.json recovered from its shards" if said else
            "its finalizer stopped before writing run.json; recovered from its shards")
-    return finalize(run_dir, jobs, workloads=workloads, started_ns=min(opened, default=None),
+    meta = finalize(run_dir, jobs, workloads=workloads, started_ns=min(opened, default=None),
                     telemetry={"collectors": "unknown: run.json was rebuilt after the run "
                                              "was stopped"},
                     incomplete=notes, interrupted=why,
                     meta=None if jobs else {"run_id": run_dir.name})
+    mark_running(run_dir, False)  # a killed kvbench run's mark
+    return meta
 
 
 def _alive(meta: dict) -> bool:
