@@ -13,12 +13,13 @@
 * ``telemetry``: {source: "ok" | reason it is missing};
 * ``incomplete``: [{what, why}] — everything that did not happen as asked;
 * ``interrupted`` (bool), ``interruption``: whether a signal or a kill cut the run, and how;
-* ``counts``: {requests_started, records_written, dropped_at_cap};
+* ``counts``: {requests_started, records_written, dropped_at_cap[, in_flight_at_kill]};
 * ``workloads``: {name: describe()}; ``workloads_sent``: {endpoint: {workload: describe()}}.
 
 ``RunMeta`` is the typed view of run.json; ``runs.finalize`` is its one writer. Tables are read
 through ``scan`` (record batches, parquet then live shards, conformed to the schema) and written
-through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table).
+through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table; the load
+processes also write each request's start, ``STARTS``, which ``compact`` folds in).
 """
 
 from __future__ import annotations
