@@ -57,7 +57,6 @@ def _run(args) -> int:
     from kvbench.config import GateConfig, load_config
     from kvbench.core.store import load_results
     from kvbench.reports import gate
-
     from kvbench.commands.recover import ensure_recovered
 
     current_path = Path(args.current)
