@@ -198,7 +198,8 @@ def _quit(environment) -> None:
     master = isinstance(runner, MasterRunner)
     why = interruption(environment)
     if why:
-        if environment.process_exit_code is None:
+        # the exit code is the master's (a worker's nonzero one only makes Locust log an error)
+        if environment.process_exit_code is None and not isinstance(runner, WorkerRunner):
             sig = getattr(signal, why.split()[0], None) if why.startswith("SIG") else None
             environment.process_exit_code = 128 + int(sig) if sig else 1
         environment.stop_timeout = 0
