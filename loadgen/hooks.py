@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import gevent
 import gevent.event
@@ -200,7 +201,8 @@ def _quit(environment) -> None:
     if why:
         # the exit code is the master's (a worker's nonzero one only makes Locust log an error)
         if environment.process_exit_code is None and not isinstance(runner, WorkerRunner):
-            sig = getattr(signal, why.split()[0], None) if why.startswith("SIG") else None
+            sig = getattr(signal, why.split()[0].rstrip(":"), None) if why.startswith(
+                "SIG") else None
             environment.process_exit_code = 128 + int(sig) if sig else 1
         environment.stop_timeout = 0
     ctx: LoadContext | None = getattr(environment, "kvbench", None)
@@ -233,8 +235,6 @@ def _run_dir(environment, ctx: LoadContext | None):
         from kvbench.runs.job import Job
 
         return Job.load(o.kvbench_job).run_dir
-    from pathlib import Path
-
     return Path(o.kvbench_results) / o.kvbench_run_id
 
 
