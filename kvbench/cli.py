@@ -14,6 +14,7 @@ COMMANDS = {
     "report": "render an HTML (or Markdown) comparison report from results",
     "gate": "compare results with a baseline; exit code for CI",
     "history": "key metrics of recent runs in the results store",
+    "recover": "write run.json of a killed run from its shards and job files",
     "serve": "start a built-in reference endpoint (colocated, disaggregated, offloaded, routed)",
     "collect": "run the remote telemetry agent on a GPU host",
     "workloads": "describe or generate workloads and traces",

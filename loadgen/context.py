@@ -11,12 +11,13 @@ from dataclasses import replace
 from urllib.parse import urlsplit
 
 import gevent
+import gevent.event
 import gevent.lock
 from locust.runners import MasterRunner, WorkerRunner
 
 from kvbench.core import redact
 from kvbench.core.errors import UserError
-from kvbench.core.store import worker_name
+from kvbench.core.store import START_COLUMNS, worker_name
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
@@ -36,6 +37,11 @@ _ROW = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", 
         "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
         "server_replica", "server_region", "retry_after_s")
 assert _ROW == COLUMNS, "loadgen row order must follow kvbench.schema.REQUESTS"
+_START = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", "request_id",
+          "session_id", "turn", "worker", "prompt_tokens_client", "shared_prefix_tokens",
+          "max_tokens", "t_scheduled", "t_sent")
+assert _START == START_COLUMNS, "loadgen start order must follow kvbench.store.START_COLUMNS"
+CANCELLED_AT_STOP = "cancelled at the stop"  # the error text of a request a stop cut
 
 
 class LoadContext:
@@ -69,6 +75,14 @@ class LoadContext:
         self.run_dir = job.run_dir
         self.sink = RecordSink(self.run_dir)
         self.sink.start()
+        self.stopping = gevent.event.Event()  # set when the stage ends: start nothing new
+        self.dispatched = gevent.event.Event()  # open loop: the dispatcher is done
+        self.interrupted: str | None = None  # set by the quitting hook: which signal
+        self.stopped_ns: int | None = None  # when the stage's end (or a stop) came
+        if not job_file_given(environment):  # a plain locust run: its job file for recovery
+            path = self.run_dir / job.file_name()
+            if not path.exists():
+                job.save(path)
         runner = environment.runner
         o = environment.parsed_options
         workers = getattr(o, "kvbench_workers", 0) or 1
@@ -78,6 +92,18 @@ class LoadContext:
         self._sessions = self._session_iter()
         self.dispatcher: OpenLoopDispatcher | None = None
         self.t_start_ns = time.time_ns()
+        if self.pacing == "closed":
+            i = self.stage_index
+            planned = self.stages[i] if i < len(self.stages) else StagePlan(i, 0.0)
+            users = planned.users or getattr(environment.parsed_options, "num_users", None)
+            self.open_stage(StagePlan(i, planned.duration_s, None, users), self.t_start_ns)
+
+    @property
+    def drain_s(self) -> float:
+        """How long requests in flight may finish after the stage's end: Locust's
+        --stop-timeout when given (kvbench run gives the profile's drain_s), else the job's."""
+        given = getattr(self.environment, "stop_timeout", None)
+        return min(self.timeout_s, given if given else self.job.drain_s)
 
     def _session_iter(self):
         """This worker's share of the sessions, cycled; later passes get ``#pass`` ids."""
@@ -104,12 +130,19 @@ class LoadContext:
         """Send ``req``, record it whatever happens (cancelled included), report to Locust."""
         body = request_body(req, self.model, ignore_eos=self.ignore_eos)
         res = Result()
-        self.sink.begin()
+        now = time.time_ns()
+        self.sink.begin((
+            self.run_id, self.endpoint, self.topology, self.workload_name, req.request_class,
+            stage, req.request_id, req.session_id, req.turn, self.worker, req.prompt_tokens,
+            req.shared_prefix_tokens, req.max_tokens,
+            t_scheduled_ns if t_scheduled_ns is not None else now, now))
         try:
             client.post_stream(request_path(req), body, keep_text=keep_text, res=res)
         finally:
             if res.t_sent_ns == 0:
                 res.t_sent_ns = time.time_ns()
+            if res.status == "cancelled":  # a stop cut it: the end of a stage, or a signal
+                res.error = CANCELLED_AT_STOP
             self.record(req, res, t_scheduled_ns, stage)
         self.report(req, res)
         if self.tokcheck is not None and res.status == "ok":
@@ -167,7 +200,7 @@ class LoadContext:
             self.send(client, req, t_sched, stage)
 
         def on_stage(st: StagePlan, t0: int, t1: int) -> None:
-            self.add_stage(st, t0, t1)
+            self.add_stage(st, t0, t1, cut=self.stopping.is_set())
 
         seed = self.job.seed * 1000 + self.index
         stages = self.stages
@@ -177,21 +210,52 @@ class LoadContext:
         self.dispatcher = d = OpenLoopDispatcher(
             send, requests, stages, pacing=self.pacing, cv=self.cv,
             max_in_flight=self.max_in_flight, seed=seed, share=1.0 / self.count,
-            on_stage=on_stage)
+            on_stage=on_stage, on_stage_start=self.open_stage)
+        if self.stopping.is_set():
+            d.stop()
         d.run()
-        d.wait_idle(self.timeout_s)
+        d.wait_idle(self.drain_s)  # then what is still in flight is cancelled at the stop
+        d.cancel()
         pool.close()
 
-    def add_stage(self, st: StagePlan, t0_ns: int, t1_ns: int) -> None:
-        self.sink.meta["stages"].append({
+    def stop_starting(self) -> None:
+        """The stage (or run) ends: users and the dispatcher start no new request."""
+        if not self.stopping.is_set():
+            self.stopped_ns = time.time_ns()
+        self.stopping.set()
+        if self.dispatcher is not None:
+            self.dispatcher.stop()
+
+    def open_stage(self, st: StagePlan, t0_ns: int) -> None:
+        """The stage running now, in the live sidecar (a killed run's partial stage)."""
+        self.sink.meta["open_stage"] = {
             "endpoint": self.endpoint, "workload": self.workload_name,
             "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
             "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
-            "t_start_ns": t0_ns, "t_end_ns": t1_ns})
+            "t_start_ns": t0_ns, "t_end_ns": None}
 
-    def close(self) -> None:
-        """Cancel what is still running (each request records itself), then close the shard."""
+    def add_stage(self, st: StagePlan, t0_ns: int, t1_ns: int, cut: bool = False) -> None:
+        stage = {
+            "endpoint": self.endpoint, "workload": self.workload_name,
+            "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
+            "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
+            "t_start_ns": t0_ns, "t_end_ns": t1_ns}
+        if cut:
+            stage.update(planned_duration_s=st.duration_s, partial=True,
+                         duration_s=(t1_ns - t0_ns) / 1e9)
+        self.sink.meta["stages"].append(stage)
+        self.sink.meta["open_stage"] = None
+
+    def close(self, interrupted: str | None = None) -> None:
+        """Stop what is still running (each request records itself: cancelled at the stop),
+        then close the shard. ``interrupted``: a signal cut the run; nothing drains."""
+        if interrupted:
+            self.interrupted = self.interrupted or interrupted
         runner = self.environment.runner
+        t_stop = time.time_ns()
+        if self.interrupted:
+            self.environment.stop_timeout = 0  # an interrupt stops at once: no drain
+        self.stop_starting()
         if runner is not None and not isinstance(runner, MasterRunner):
             try:
                 runner.stop()  # SIGTERM path: users may still be running
@@ -210,13 +274,18 @@ class LoadContext:
                 self.sink.meta["incomplete"].append({
                     "what": f"{d.dropped_at_cap} arrivals on {self.endpoint}/{self.workload_name}",
                     "why": f"dropped at the cap of {self.max_in_flight} requests in flight"})
-        elif self.pacing == "closed":
-            i = self.stage_index
-            planned = self.stages[i].users if i < len(self.stages) else None
-            users = planned or getattr(self.environment.parsed_options, "num_users", None)
-            self.add_stage(StagePlan(i, 0.0, None, users), self.t_start_ns, time.time_ns())
-            st = self.sink.meta["stages"][-1]
-            st["duration_s"] = (st["t_end_ns"] - st["t_start_ns"]) / 1e9
+        st = self.sink.meta.get("open_stage")
+        if st is not None:  # closed loop: its one stage; open loop: one a stop cut
+            t_end = self.stopped_ns or t_stop
+            plan = StagePlan(st["index"], st["duration_s"], st["rate_rps"], st["users"])
+            if self.pacing == "closed" and not self.interrupted:
+                self.add_stage(plan, st["t_start_ns"], t_end)
+                last = self.sink.meta["stages"][-1]
+                last["duration_s"] = (last["t_end_ns"] - last["t_start_ns"]) / 1e9
+            else:
+                self.add_stage(plan, st["t_start_ns"], t_end, cut=True)
+        if self.interrupted:
+            self.sink.meta["interrupted"] = self.interrupted
         self.sink.close()
 
 
@@ -239,6 +308,11 @@ class _Renamed:
 
 
 # --------------------------------------------------------------------------- on the environment
+
+def job_file_given(environment) -> bool:
+    o = getattr(environment, "parsed_options", None)
+    return bool(getattr(o, "kvbench_job", ""))
+
 
 def get_context(environment, user_cls=None) -> LoadContext:
     """``environment.kvbench``, built once from the environment's options (users start

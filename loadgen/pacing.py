@@ -71,12 +71,15 @@ class OpenLoopDispatcher:
 
     ``share`` is this process's fraction of the configured rate (1/processes). Arrivals that
     find ``max_in_flight`` requests running are dropped and counted in ``dropped_at_cap``.
+    ``on_stage_start(stage, t_start)`` and ``on_stage(stage, t_start, t_end)`` (epoch ns) mark
+    each stage; ``stop`` ends the arrivals at once (the stage so far is reported, cut).
     """
 
     def __init__(self, send: Callable, requests: Iterator, stages: list[StagePlan], *,
                  pacing: str = "poisson", cv: float = 2.0, max_in_flight: int = 512,
                  seed: int = 0, share: float = 1.0,
-                 on_stage: Callable[[StagePlan, int, int], None] | None = None) -> None:
+                 on_stage: Callable[[StagePlan, int, int], None] | None = None,
+                 on_stage_start: Callable[[StagePlan, int], None] | None = None) -> None:
         self.send = send
         self.requests = requests
         self.stages = stages
@@ -86,6 +89,8 @@ class OpenLoopDispatcher:
         self.rng = np.random.default_rng(seed)
         self.share = share
         self.on_stage = on_stage
+        self.on_stage_start = on_stage_start
+        self.stopped = None  # gevent Event, set by ``stop``
         self.in_flight = 0
         self.dropped_at_cap = 0
         self.started = 0
@@ -93,18 +98,33 @@ class OpenLoopDispatcher:
         self.exhausted = False
         self.group = None  # gevent Group of the requests in flight
 
+    def stop(self) -> None:
+        """Start nothing more (requests in flight go on; see ``wait_idle`` and ``cancel``)."""
+        self._event().set()
+
+    def _event(self):
+        if self.stopped is None:
+            import gevent.event
+
+            self.stopped = gevent.event.Event()
+        return self.stopped
+
     def run(self) -> None:
-        import gevent
         from gevent.pool import Group
 
         self.group = group = Group()
+        stopped = self._event()
 
         mono, epoch = time.perf_counter_ns, time.time_ns
         offset = epoch() - mono()  # epoch = mono + offset, fixed for the run
         t = mono()
         for st in self.stages:
+            if stopped.is_set():
+                break
             t_start = t
             t_end = t_start + int(st.duration_s * 1e9)
+            if self.on_stage_start is not None:
+                self.on_stage_start(st, t_start + offset)
             if self.pacing == "trace":
                 arrivals = self._trace_times(t_start, t_end)
             else:
@@ -112,8 +132,10 @@ class OpenLoopDispatcher:
                 arrivals = self._rate_times(rate, t_start, t_end)
             for t_sched, req in arrivals:
                 delay = (t_sched - mono()) / 1e9
-                if delay > 0:
-                    gevent.sleep(delay)
+                if delay > 0 and stopped.wait(delay):
+                    break
+                if stopped.is_set():
+                    break
                 if self.in_flight >= self.max_in_flight:
                     self.dropped_at_cap += 1
                     continue
@@ -128,8 +150,10 @@ class OpenLoopDispatcher:
                 group.spawn(self._one, req, t_sched + offset, st.index)
             now = mono()
             if now < t_end and not self.exhausted:
-                gevent.sleep((t_end - now) / 1e9)
+                stopped.wait((t_end - now) / 1e9)
             t = max(t_end, mono()) if self.pacing != "trace" else mono()
+            if stopped.is_set():
+                t = mono()  # cut: the stage ran until now
             if self.on_stage is not None:
                 self.on_stage(st, t_start + offset, t + offset)
             if self.exhausted:

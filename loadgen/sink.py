@@ -4,12 +4,17 @@
 buffers are swapped for empty ones and converted + written on gevent's native thread pool, so
 the event loop never stalls on a large batch (per-row tuples stalled it 3 s at 100k requests;
 issue 4). The shard ``requests-<host>-<pid>.arrows`` is an append-only Arrow IPC stream:
-readable up to its last complete batch if the process dies, so a kill loses at most a second.
+readable up to its last complete batch if the process dies. Each request's start (the columns
+known when it is sent) is buffered the same way and written to ``starts-<host>-<pid>.arrows``, and
+the sidecar ``proc-<host>-<pid>.json`` is refreshed with each flush (``closed: false`` until the
+sink closes): a SIGKILL loses at most the last flush interval, and compaction turns the starts
+left without a record into ``cancelled`` ones (``kvbench.core.store.unfinished_starts``).
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import socket
 import threading
 import time
@@ -18,22 +23,26 @@ from pathlib import Path
 import pyarrow as pa
 
 from kvbench.core.schema import REQUESTS
-from kvbench.core.store import ShardWriter, worker_name, write_proc_meta
+from kvbench.core.store import START_COLUMNS, STARTS, ShardWriter, worker_name, write_proc_meta
 
 COLUMNS = tuple(REQUESTS.names)
+FLUSH_INTERVAL_S = 0.5  # half the loss bound a kill may cost (one second), for a late loop
 
 
 class RecordSink:
     """One per load process. ``meta`` (counts, stages) goes to ``proc-<host>-<pid>.json``
-    beside the shard when the sink closes, for whoever writes run.json."""
+    beside the shard, for whoever writes run.json: refreshed with each flush, final
+    (``closed: true``) when the sink closes."""
 
-    def __init__(self, run_dir: Path | str, *, flush_interval_s: float = 1.0,
+    def __init__(self, run_dir: Path | str, *, flush_interval_s: float = FLUSH_INTERVAL_S,
                  use_threadpool: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._shard = ShardWriter(self.run_dir, "requests")
         self._shard.open()
         self.path = self._shard.path
+        self._starts_shard = ShardWriter(self.run_dir, "starts")
+        self._starts: list[list] = [[] for _ in START_COLUMNS]
         self.flush_interval_s = flush_interval_s
         self.use_threadpool = use_threadpool
         self._cols: list[list] = [[] for _ in COLUMNS]
@@ -43,11 +52,17 @@ class RecordSink:
         self.closed = False
         self.started = 0  # requests started: the caller counts them with ``begin``
         self.written = 0
-        self.meta: dict = {"counts": {"dropped_at_cap": 0}, "stages": [], "incomplete": []}
+        self.meta: dict = {"counts": {"dropped_at_cap": 0}, "stages": [], "incomplete": [],
+                           "opened_ns": time.time_ns()}
+        self._write_meta(self._snapshot(closed=False))
         atexit.register(self.close)
 
-    def begin(self) -> None:
+    def begin(self, start: tuple | None = None) -> None:
+        """A request is being sent; ``start``: its values in ``START_COLUMNS`` order."""
         self.started += 1
+        if start is not None:
+            for col, v in zip(self._starts, start):
+                col.append(v)
 
     def append(self, row: tuple) -> None:
         """One record, values in ``COLUMNS`` order."""
@@ -57,33 +72,59 @@ class RecordSink:
     def __len__(self) -> int:
         return len(self._cols[0])
 
-    def _swap(self) -> list[list] | None:
-        if not self._cols[0]:
-            return None
-        cols, self._cols = self._cols, [[] for _ in COLUMNS]
-        return cols
+    def _swap(self) -> tuple[list[list] | None, list[list] | None]:
+        cols = starts = None
+        if self._cols[0]:
+            cols, self._cols = self._cols, [[] for _ in COLUMNS]
+        if self._starts[0]:
+            starts, self._starts = self._starts, [[] for _ in START_COLUMNS]
+        return cols, starts
 
-    def _write(self, cols: list[list]) -> int:
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)], schema=REQUESTS)
+    def _snapshot(self, closed: bool) -> dict:
+        """The sidecar as of now (copied: the thread pool writes it while the loop goes on)."""
+        meta = copy.deepcopy(self.meta)
+        meta["counts"]["requests_started"] = self.started
+        meta.update(worker=worker_name(), host=socket.gethostname(), closed=closed,
+                    updated_ns=time.time_ns())
+        return meta
+
+    def _write_meta(self, meta: dict) -> None:
+        meta["counts"]["records_written"] = self.written
+        if meta["closed"]:
+            meta["closed_ns"] = meta["updated_ns"]
+        self.meta_path = write_proc_meta(self.run_dir, meta)
+
+    def _write(self, cols: list[list] | None, starts: list[list] | None = None,
+               meta: dict | None = None) -> int:
+        n = 0
         with self._lock:
-            n = self._shard.write(batch)
-            self.written += n
+            if starts is not None:
+                self._starts_shard.write(pa.RecordBatch.from_arrays(
+                    [pa.array(c, type=f.type) for c, f in zip(starts, STARTS)], schema=STARTS))
+            if cols is not None:
+                n = self._shard.write(pa.RecordBatch.from_arrays(
+                    [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)],
+                    schema=REQUESTS))
+                self.written += n
+            if meta is not None:
+                self._write_meta(meta)
         return n
 
     def flush(self) -> None:
-        """Write what is buffered in the background (gevent thread pool) and return at once."""
-        cols = self._swap()
-        if cols is None:
+        """Write what is buffered, and the live sidecar, in the background (gevent thread
+        pool) and return at once."""
+        if self.closed:
             return
+        cols, starts = self._swap()
         if self._pending is not None:
             self._pending.get()  # keep batches in order
+        meta = self._snapshot(closed=False)
         if self.use_threadpool:
             import gevent
 
-            self._pending = gevent.get_hub().threadpool.spawn(self._write, cols)
+            self._pending = gevent.get_hub().threadpool.spawn(self._write, cols, starts, meta)
         else:
-            self._write(cols)
+            self._write(cols, starts, meta)
 
     def start(self) -> None:
         """Flush about every ``flush_interval_s`` in a greenlet until closed."""
@@ -111,15 +152,10 @@ class RecordSink:
             except Exception:  # noqa: BLE001 - the final write below still runs
                 pass
             self._pending = None
-        cols = self._swap()
-        if cols is not None:
-            self._write(cols)
+        cols, starts = self._swap()
+        self._write(cols, starts)
         with self._lock:
             self._shard.close()
-        counts = self.meta["counts"]
-        counts["requests_started"] = self.started
-        counts["records_written"] = self.written
-        meta = {**self.meta, "worker": worker_name(),
-                "host": socket.gethostname(), "closed_ns": time.time_ns()}
-        self.meta_path = write_proc_meta(self.run_dir, meta)
+            self._starts_shard.close()
+            self._write_meta(self._snapshot(closed=True))
 

@@ -1,5 +1,6 @@
 """The Locust User behind every locustfile. Closed loop: each user runs one session at a time.
-Open loop: the process's first user runs the dispatcher."""
+Open loop: the process's first user runs the dispatcher. At the stage's end (Locust stopping
+the users) nothing new starts; what is in flight drains for up to the drain bound."""
 
 from __future__ import annotations
 
@@ -39,22 +40,27 @@ class KVBenchUser(User):
     @task
     def drive(self) -> None:
         ctx = self.ctx
+        if ctx.stopping.is_set():  # the stage is over: in flight ones drain, nothing new
+            raise StopUser()
         if ctx.pacing != "closed":
             if ctx.dispatcher is None:
-                ctx.run_dispatcher()
+                try:
+                    ctx.run_dispatcher()
+                finally:
+                    ctx.dispatched.set()
                 quit_soon(self.environment)
-            gevent.sleep(3600)
-            return
+            ctx.dispatched.wait()  # more users add nothing: they wait for the dispatcher
+            raise StopUser()
         session = ctx.next_session()
         if session is None:
-            gevent.sleep(1.0)
+            ctx.stopping.wait(1.0)
             return
-        while True:
+        while not ctx.stopping.is_set():
             req = session.next_request()
             if req is None:
                 return
-            if req.think_time_s > 0 and req.turn > 0:
-                gevent.sleep(req.think_time_s)
+            if req.think_time_s > 0 and req.turn > 0 and ctx.stopping.wait(req.think_time_s):
+                return
             res = ctx.send(self.llm, req, None, self.stage, keep_text=True)
             if res.status != "ok":
                 return  # a broken session cannot build its next turn on a failed response

@@ -6,9 +6,10 @@ import urllib.request
 from pathlib import Path
 
 import orjson
+import pyarrow.compute as pc
 import pytest
 
-from kvbench.core.store import load_results
+from kvbench.core.store import load_results, read_proc_meta
 import stream_server as testing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,8 +129,18 @@ def test_closed_loop_run_with_two_processes(server, tmp_path):
     cfg = write(tmp_path, server, profile="closed")
     p = kvbench("--config", str(cfg), "--run-id", "c1", "--processes", "2")
     assert p.returncode == 0, p.stderr + p.stdout
-    res = load_results(tmp_path / "results" / "c1")
+    run_dir = tmp_path / "results" / "c1"
+    res = load_results(run_dir)
     t = res.requests
-    assert t.num_rows > 0 and len(set(t.column("worker").to_pylist())) == 2
+    # Counts a busy host cannot break: two load processes each closed its shard with every
+    # request it started recorded (one that a stalled host kept from sending has none).
+    sidecars = read_proc_meta(run_dir)
+    assert len(sidecars) == 2 and all(m["closed"] for m in sidecars)
+    for m in sidecars:
+        mine = t.filter(pc.equal(t.column("worker"), m["worker"])).num_rows
+        assert m["counts"]["requests_started"] == m["counts"]["records_written"] == mine
+    assert t.num_rows > 0 and set(t.column("worker").to_pylist()) <= {
+        m["worker"] for m in sidecars}
+    assert set(t.column("status").to_pylist()) == {"ok"}  # the stage's end drained them
     assert res.meta.stages[0]["pacing"] == "closed" and res.meta.stages[0]["users"] == 2
     assert len(set(t.column("request_id").to_pylist())) == t.num_rows

@@ -7,6 +7,7 @@ import pyarrow as pa
 
 from kvbench.config import parse_config
 from kvbench.core import store
+from kvbench.core.errors import DataError
 from kvbench.core.schema import ENGINE, REQUESTS
 from kvbench.runs import finalize as F
 from kvbench.runs.job import resolve
@@ -94,3 +95,83 @@ def test_merge_proc_meta_sums_counts_and_spans_stages():
     assert m["counts"] == {"requests_started": 5, "records_written": 3, "dropped_at_cap": 4}
     assert [(s["t_start_ns"], s["t_end_ns"]) for s in m["stages"]] == [(3, 9)]
     assert m["incomplete"] == [{"what": "x", "why": "y"}]
+
+
+def starts_batch(ids, worker="h:1") -> pa.RecordBatch:
+    n = len(ids)
+    cols = {f.name: pa.nulls(n, f.type) for f in store.STARTS}
+    cols.update({"endpoint": pa.array(["e1"] * n), "workload": pa.array(["chat"] * n),
+                 "worker": pa.array([worker] * n), "request_id": pa.array(ids),
+                 "t_scheduled": pa.array([100 + i for i in range(n)], pa.int64()),
+                 "t_sent": pa.array([200 + i for i in range(n)], pa.int64())})
+    return pa.RecordBatch.from_pydict(cols, schema=store.STARTS)
+
+
+def test_compaction_turns_starts_without_a_record_into_cancelled(tmp_path):
+    w = store.ShardWriter(tmp_path, "requests")
+    batch = requests_batch(3)
+    w.write(batch.set_column(batch.schema.get_field_index("worker"), "worker",
+                             pa.array(["h:1"] * 3)))
+    w.close()
+    s = store.ShardWriter(tmp_path, "starts")
+    s.write(starts_batch(["chat-0", "chat-1", "chat-2", "chat-3", "chat-4"]))
+    s.write(starts_batch(["chat-0"], worker="h:2"))  # another process's id: no record either
+    s.close()
+    assert store.compact(tmp_path, "requests") == 6
+    t = store.read_table(tmp_path, "requests").to_pydict()
+    lost = [(w, r, st, e, ts) for w, r, st, e, ts in zip(
+        t["worker"], t["request_id"], t["status"], t["error"], t["t_sent"]) if st != "ok"]
+    assert sorted(lost) == [("h:1", "chat-3", "cancelled", store.KILLED_IN_FLIGHT, 203),
+                            ("h:1", "chat-4", "cancelled", store.KILLED_IN_FLIGHT, 204),
+                            ("h:2", "chat-0", "cancelled", store.KILLED_IN_FLIGHT, 200)]
+    assert not list(tmp_path.glob("*.arrows"))
+
+
+def test_recover_a_killed_run_from_its_job_file_and_live_sidecar(tmp_path):
+    cfg = parse_config(CONFIG)
+    job = resolve(cfg, workload="chat", endpoint="e1", profile="p", run_id="k1",
+                  results_dir=tmp_path)
+    run_dir = job.run_dir
+    job.save(run_dir / job.file_name())
+    w = store.ShardWriter(run_dir, "requests")
+    w.write(requests_batch(2))
+    s = store.ShardWriter(run_dir, "starts")
+    s.write(starts_batch(["chat-0", "chat-1", "chat-2"], worker=None))
+    stage = {"endpoint": "e1", "workload": "chat", "index": 0, "pacing": "closed",
+             "duration_s": 1.0, "t_start_ns": 10 ** 9, "t_end_ns": None}
+    store.write_proc_meta(run_dir, {  # a process SIGKILLed: its sidecar was never closed
+        "counts": {"requests_started": 3, "records_written": 2, "dropped_at_cap": 0},
+        "stages": [], "open_stage": stage, "incomplete": [], "closed": False,
+        "worker": "elsewhere:1", "host": "elsewhere", "opened_ns": 10 ** 9,
+        "updated_ns": 10 ** 9 + 4 * 10 ** 8})
+    assert F.recover(run_dir).interrupted
+    assert F.recover(run_dir) is None  # run.json there now: nothing more to do
+    meta = store.read_meta(run_dir)
+    assert meta.run_id == "k1" and meta.suite == "fin" and meta.interrupted
+    assert "killed" in meta.interruption and meta.incomplete[0]["what"] == "the run"
+    assert meta.counts["in_flight_at_kill"] == 1 and meta.workloads["chat"]["requests"] == 6
+    (st,) = meta.stages
+    assert st["partial"] and st["duration_s"] == 0.4 and st["planned_duration_s"] == 1.0
+    t = store.read_table(run_dir, "requests")
+    assert t.num_rows == 3 and t.column("status").to_pylist().count("cancelled") == 1
+
+
+def test_recover_refuses_a_run_still_going(tmp_path):
+    import os
+    import socket
+
+    live = tmp_path / "load"
+    live.mkdir()
+    store.write_proc_meta(live, {"closed": False, "counts": {},
+                                 "worker": f"{socket.gethostname()}:{os.getpid()}"})
+    driven = tmp_path / "driven"  # between two Locust runs of kvbench run: no load process
+    write_shards(driven)
+    F.mark_running(driven)
+    for run_dir, why in ((live, "still going"), (driven, "still driving it")):
+        try:
+            F.recover(run_dir)
+        except DataError as exc:
+            assert why in str(exc)
+        else:
+            raise AssertionError("recovered a live run")
+        assert not (run_dir / "run.json").exists()

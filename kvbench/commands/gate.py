@@ -71,8 +71,11 @@ def _run(args) -> int:
     from kvbench.config import GateConfig, load_config
     from kvbench.core.store import load_results
     from kvbench.reports import gate
+    from kvbench.commands.recover import ensure_recovered
 
     current_path = Path(args.current)
+    for path in (current_path, Path(args.baseline)):
+        ensure_recovered(path)  # a killed run: its run.json rebuilt first
     current = load_results(current_path)
     if args.config:
         cfg = load_config(args.config)

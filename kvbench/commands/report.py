@@ -29,6 +29,10 @@ def run(args) -> int:
         if not path.is_dir():
             raise UserError(f"{path}: not a results directory; pass the folder kvbench run "
                             "wrote (results/<run_id> or results/latest)")
+    from kvbench.commands.recover import ensure_recovered
+
+    for path in args.results:
+        ensure_recovered(path)  # a killed run: its run.json rebuilt first
     slo = None
     if args.slo_config is not None:
         from kvbench.config import load_config

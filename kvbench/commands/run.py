@@ -9,11 +9,29 @@ threads.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
 
 from kvbench.core.errors import UserError
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal reached ``kvbench run``: everything it started stops, what was recorded
+    is finalized, marked interrupted."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum, frame) -> None:
+    for sig in STOP_SIGNALS:  # one interrupt: the cleanup that follows must not be cut
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 def add_parser(p) -> None:
@@ -59,7 +77,8 @@ def run(args) -> int:
     collectors = None
     notes: dict = {"telemetry": {}, "incomplete": [], "clock_offsets_ns": {}}
     jobs = []
-    interrupted = False
+    interrupted: Interrupted | None = None
+    previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
     try:
         targets = []
         for ep in sel.endpoints:
@@ -76,6 +95,7 @@ def run(args) -> int:
         jobs = matrix.jobs(cfg, sel, checked, run_id=run_id, results_dir=results_dir,
                            duration_scale=args.duration_scale)
         run_dir.mkdir(parents=True, exist_ok=True)
+        finalize.mark_running(run_dir)  # recovery leaves the run alone while this lives
         collectors = telemetry.start(run_dir, cfg, jobs, notes)
         total_s = sum(matrix.expected_s(j) for j in jobs)
         print(f"kvbench run: {len(jobs)} Locust run(s), about {total_s:.0f} s of load; records "
@@ -92,24 +112,36 @@ def run(args) -> int:
             if out.rc not in (0, 1):  # 1: Locust saw failed requests, which the records hold
                 notes["incomplete"].append({"what": label,
                                             "why": f"locust exited with code {out.rc}"})
-    except KeyboardInterrupt:
-        interrupted = True
-        notes["incomplete"].append({"what": "the run", "why": "interrupted (Ctrl-C)"})
-        print("kvbench run: interrupted; writing what was recorded", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Interrupted)
+        interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        try:
+            print(f"kvbench run: interrupted ({interrupted}); stopping the load and the "
+                  "built-in endpoints, writing what was recorded", file=sys.stderr, flush=True)
+        except OSError:  # SIGHUP: the terminal may be gone; the cleanup matters more
+            pass
     finally:
+        for sig in STOP_SIGNALS:  # the load is over: stop everything, write run.json whole
+            signal.signal(sig, signal.SIG_IGN)
         telemetry.stop(collectors, notes)
         for proc in servers:
             builtin.stop(proc)
-    if not run_dir.exists():
-        return 130 if interrupted else 0
-    meta = finalize.finalize(run_dir, jobs, workloads=workloads, started_ns=started_ns,
-                             telemetry=notes["telemetry"], incomplete=notes["incomplete"],
-                             clock_offsets_ns=notes["clock_offsets_ns"],
-                             meta=None if jobs else {"run_id": run_id, "suite": cfg.suite.name,
-                                                     "config": cfg.public_dump()})
-    _link_latest(results_dir, run_id)
-    _summary(run_dir, meta.counts)
-    return 130 if interrupted else 0
+    try:
+        if not run_dir.exists():
+            return 128 + interrupted.signum if interrupted else 0
+        why = f"{interrupted} to kvbench run" if interrupted else None
+        meta = finalize.finalize(
+            run_dir, jobs, workloads=workloads, started_ns=started_ns,
+            telemetry=notes["telemetry"], incomplete=notes["incomplete"],
+            clock_offsets_ns=notes["clock_offsets_ns"], interrupted=why,
+            meta=None if jobs else {"run_id": run_id, "suite": cfg.suite.name,
+                                    "config": cfg.public_dump()})
+        finalize.mark_running(run_dir, False)
+        _link_latest(results_dir, run_id)
+        _summary(run_dir, meta)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + interrupted.signum if interrupted else 0
 
 
 def _link_latest(results_dir: Path, run_id: str) -> None:
@@ -122,11 +154,16 @@ def _link_latest(results_dir: Path, run_id: str) -> None:
         print(f"kvbench run: could not update {latest} ({exc})", file=sys.stderr)
 
 
-def _summary(run_dir: Path, counts: dict) -> None:
-    """A few numbers per endpoint, computed with the reports' metric definitions."""
+def _summary(run_dir: Path, meta) -> None:
+    """A few numbers per endpoint, computed with the reports' metric definitions; requests a
+    stop cut (``cancelled``) are counted apart from errors."""
     from kvbench.core.store import load_results
     from kvbench.reports import metrics as M
 
+    counts = meta.counts
+    if meta.interrupted:
+        print(f"kvbench run: INTERRUPTED ({meta.interruption}); the results hold what was "
+              "recorded until then")
     res = load_results(run_dir)
     if res.requests.num_rows == 0:
         print(f"kvbench run: no requests recorded; results in {run_dir}")
@@ -134,12 +171,14 @@ def _summary(run_dir: Path, counts: dict) -> None:
     frame = M.request_frame(res.requests, stages=res.meta.stages or ())
     print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'cancelled':>9} "
           f"{'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
+    total_cancelled = 0
     for ep in frame["endpoint"].cat.categories:
         sub = frame[frame["endpoint"] == ep]
         o = M.outcomes(sub)  # cancelled at the stop: neither ok nor an error
+        total_cancelled += o["cancelled"]
         print(f"{ep:<16} {o['requests']:>8} {o['ok']:>6} {o['errors']:>6} {o['cancelled']:>9} "
               f"{M.statistic(sub, 'ttft_p50'):>12.1f} {M.statistic(sub, 'tpot_p50'):>12.1f}")
     print(f"kvbench run: {counts['records_written']} records of {counts['requests_started']} "
-          f"requests started, {counts['dropped_at_cap']} dropped at the in-flight cap; "
-          f"results in {run_dir}")
+          f"requests started, {total_cancelled} cancelled at the stop (not errors), "
+          f"{counts['dropped_at_cap']} dropped at the in-flight cap; results in {run_dir}")
     print(f"next: kvbench report {run_dir} -o report.html")

@@ -84,6 +84,9 @@ async def serve(cfg, host: str, port: int) -> None:
 
 
 def run(args) -> int:
+    from kvbench.runs import lifeline
+
+    lifeline.watch_parent()  # started by kvbench run: stop when it dies (SIGTERM, handled)
     options = load_options(args.config, args.options_json)
     cfg = build_config(args.topology, options, args.config or "--options-json")
     asyncio.run(serve(cfg, args.host, args.port))

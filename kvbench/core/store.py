@@ -12,12 +12,14 @@
 * ``clock_offsets_ns``: {host: offset to add to that host's timestamps};
 * ``telemetry``: {source: "ok" | reason it is missing};
 * ``incomplete``: [{what, why}] — everything that did not happen as asked;
-* ``counts``: {requests_started, records_written, dropped_at_cap};
+* ``interrupted`` (bool), ``interruption``: whether a signal or a kill cut the run, and how;
+* ``counts``: {requests_started, records_written, dropped_at_cap[, in_flight_at_kill]};
 * ``workloads``: {name: describe()}; ``workloads_sent``: {endpoint: {workload: describe()}}.
 
 ``RunMeta`` is the typed view of run.json; ``runs.finalize`` is its one writer. Tables are read
 through ``scan`` (record batches, parquet then live shards, conformed to the schema) and written
-through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table).
+through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table; the load
+processes also write each request's start, ``STARTS``, which ``compact`` folds in).
 """
 
 from __future__ import annotations
@@ -39,7 +41,17 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from kvbench.core.errors import DataError
-from kvbench.core.schema import SCHEMA_VERSION, STATUSES, TABLES
+from kvbench.core.schema import REQUESTS, SCHEMA_VERSION, STATUSES, TABLES
+
+# A request's start, written as it is sent (``starts-<host>-<pid>.arrows``): the columns of
+# REQUESTS known before the response. ``compact`` turns a start with no record into a
+# ``cancelled`` record, so a killed load process leaves a trace of what it had in flight.
+START_COLUMNS = ("run_id", "endpoint", "topology", "workload", "request_class", "stage",
+                 "request_id", "session_id", "turn", "worker", "prompt_tokens_client",
+                 "shared_prefix_tokens", "max_tokens", "t_scheduled", "t_sent")
+STARTS = pa.schema([REQUESTS.field(n) for n in START_COLUMNS])
+SHARD_SCHEMAS = {**TABLES, "starts": STARTS}
+KILLED_IN_FLIGHT = "in flight when the load process was killed"
 
 
 def new_run_id(suite: str = "default") -> str:
@@ -98,6 +110,8 @@ class RunMeta:
     counts: dict = field(default_factory=dict)
     workloads: dict = field(default_factory=dict)
     workloads_sent: dict | None = None  # None: written before kvbench recorded it
+    interrupted: bool = False  # a signal or a kill cut the run before its planned end
+    interruption: str | None = None  # how, e.g. "SIGTERM to kvbench run"
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
@@ -296,7 +310,7 @@ class ShardWriter:
     Thread-safe; the file is created with the first batch (or by ``open``)."""
 
     def __init__(self, run_dir: Path | str, table: str, tag: str | None = None) -> None:
-        self.schema = TABLES[table]
+        self.schema = SHARD_SCHEMAS[table]
         stem = f"{table}-{shard_stem()}"
         self.path = Path(run_dir) / (f"{stem}-{tag}.arrows" if tag else f"{stem}.arrows")
         self._lock = threading.Lock()
@@ -574,19 +588,63 @@ def read_shards(run_dir: Path | str, table: str) -> pa.Table:
 
 
 def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
-    """Merge ``<table>-*.arrows`` shards (and an existing parquet) into ``<table>.parquet``."""
+    """Merge ``<table>-*.arrows`` shards (and an existing parquet) into ``<table>.parquet``;
+    for requests, each start with no record (its process was killed) becomes a ``cancelled``
+    record (``unfinished_starts``) and the start shards go too."""
     run_dir = Path(run_dir)
     shard_files = sorted(run_dir.glob(f"{table}-*.arrows"))
-    if not shard_files:
+    start_files = sorted(run_dir.glob("starts-*.arrows")) if table == "requests" else []
+    if not shard_files and not start_files:
         return 0
     t = read_table(run_dir, table)
+    if start_files:
+        lost = unfinished_starts(run_dir, t)
+        if lost.num_rows:
+            t = pa.concat_tables([t, lost])
     tmp = run_dir / f"{table}.parquet.tmp"
     pq.write_table(t, tmp, compression="zstd")
     os.replace(tmp, run_dir / f"{table}.parquet")
     if remove_shards:
-        for s in shard_files:
+        for s in shard_files + start_files:
             s.unlink(missing_ok=True)
     return t.num_rows
+
+
+def read_starts(run_dir: Path | str) -> pa.Table:
+    """Every request start the load processes of a run wrote (complete batches)."""
+    batches = [_conform(b, STARTS, None) for b in _shard_batches(Path(run_dir), "starts")]
+    return pa.Table.from_batches(batches, schema=STARTS) if batches else STARTS.empty_table()
+
+
+def unfinished_starts(run_dir: Path | str, records: pa.Table) -> pa.Table:
+    """Requests records of the starts that have no record in ``records`` (same worker and
+    request id): ``cancelled`` with their send times and ``KILLED_IN_FLIGHT``."""
+    starts = read_starts(run_dir)
+    if starts.num_rows == 0:
+        return REQUESTS.empty_table()
+    import pyarrow.compute as pc
+
+    def keyed(t: pa.Table) -> pa.Table:  # a null worker (a hand-made shard) matches null
+        return t.append_column("_w", pc.fill_null(t.column("worker"), ""))
+
+    done = keyed(records.select(["worker", "request_id"])).drop_columns(["worker"])
+    starts = keyed(starts).join(done, ["_w", "request_id"], join_type="left anti")
+    starts = starts.drop_columns(["_w"])
+    starts = starts.combine_chunks()  # one row per start still: (worker, request_id) is unique
+    n = starts.num_rows
+    cols = []
+    for f in REQUESTS:
+        if f.name in START_COLUMNS:
+            cols.append(starts.column(f.name).cast(f.type))
+        elif f.name == "status":
+            cols.append(pa.array(["cancelled"] * n, f.type))
+        elif f.name == "error":
+            cols.append(pa.array([KILLED_IN_FLIGHT] * n, f.type))
+        elif pa.types.is_list(f.type):
+            cols.append(pa.array([[]] * n, f.type))
+        else:
+            cols.append(pa.nulls(n, f.type))
+    return pa.Table.from_arrays(cols, schema=REQUESTS)
 
 
 @dataclass

@@ -4,6 +4,7 @@ loopback port) for the duration of a run."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import threading
 
 from kvbench.core.errors import UserError
+from kvbench.runs import lifeline
 
 START_TIMEOUT_S = 60
 
@@ -21,14 +23,19 @@ def start(ep) -> tuple[subprocess.Popen, str]:
            "--host", "127.0.0.1", "--port", "0"]
     if ep.options:
         cmd += ["--options-json", json.dumps(ep.options)]
+    # its own session (a terminal's Ctrl-C reaches kvbench run alone, which stops it); it
+    # watches kvbench run's pid and stops when that dies, even by SIGKILL
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **lifeline.child_env()})
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
     try:
         line = lines.get(timeout=START_TIMEOUT_S)
     except queue.Empty:
         line = ""
+    except BaseException:  # interrupted while it starts: it must not outlive the run
+        stop(proc)
+        raise
     if "listening on" not in line:
         stop(proc)
         err = (proc.stderr.read() or "").strip().splitlines()

@@ -1,17 +1,21 @@
 """Finalize a run: wait for the load processes' sidecars, compact the shards, describe the
 workloads and what each endpoint was sent, and write run.json (its one writer). Called by
-Locust's quitting hook (on the master or single process), by ``kvbench run``, and by anything
-that wrote shards itself."""
+Locust's quitting hook (on the master or single process), by ``kvbench run``, by anything
+that wrote shards itself, and by ``recover`` for a run whose finalizer was killed."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 
 import pyarrow.compute as pc
 
 from kvbench.core import redact, store
+from kvbench.core.errors import DataError, UserError
 from kvbench.reports.engine_counters import adapters as engine_adapters
 
 log = logging.getLogger("kvbench.runs")
@@ -24,22 +28,29 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
              started_ns: int | None = None, telemetry: dict | None = None,
              clock_offsets_ns: dict | None = None, incomplete=(),
              expected_procs: int | None = None, wait_s: float = 0.0,
-             meta: dict | None = None) -> store.RunMeta:
+             meta: dict | None = None, interrupted: str | None = None) -> store.RunMeta:
     """Write run.json of ``run_dir`` and return it.
 
     ``jobs``: the ``runs.job.Job``s run (run id, suite, config, endpoints); ``workloads``:
     their generators by name (described, and compared with what was sent); ``expected_procs``:
     the load processes whose sidecars to wait up to ``wait_s`` for (None: no check); ``meta``:
-    run.json fields that win over the derived ones (a run written without Locust)."""
+    run.json fields that win over the derived ones (a run written without Locust);
+    ``interrupted``: how a signal cut the run (a load process's own sidecar may say so too)."""
     run_dir = Path(run_dir)
     jobs = list(jobs)
-    metas = _wait_for_sidecars(run_dir, expected_procs, wait_s)
+    metas = wait_for_sidecars(run_dir, expected_procs, wait_s)
     merged = merge_proc_meta(metas)
     notes = list(merged["incomplete"]) + list(incomplete)
-    if expected_procs is not None and len(metas) < expected_procs:
-        notes.append({"what": f"{expected_procs - len(metas)} load process(es)",
+    interrupted = interrupted or merged["interrupted"]
+    if interrupted:
+        notes.insert(0, {"what": "the run", "why": f"interrupted: {interrupted}"})
+    closed = [m for m in metas if m.get("closed", True)]
+    if expected_procs is not None and len(closed) < expected_procs:
+        notes.append({"what": f"{expected_procs - len(closed)} load process(es)",
                       "why": "did not close their record shard in time"})
-    rows = store.compact(run_dir, "requests")
+    # (no shard left: compacted by an earlier finalize that did not get to write run.json)
+    rows = store.compact(run_dir, "requests") or store.read_table(
+        run_dir, "requests", columns=["request_id"]).num_rows
     for table in TABLES[1:]:
         store.compact(run_dir, table)
     first = jobs[0] if jobs else None
@@ -60,8 +71,11 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         notes.append({"what": "summary of the requests sent",
                       "why": f"describe failed: {exc}"[:200]})
     written = merged["counts"]["records_written"]
-    if metas and rows != written:
+    if metas and len(closed) == len(metas) and rows != written:
         notes.append({"what": "records", "why": f"{rows} rows compacted, {written} written"})
+    lost = killed_in_flight(run_dir)
+    if lost:
+        merged["counts"]["in_flight_at_kill"] = lost
     data = {
         "run_id": first.run_id if first else run_dir.name,
         "suite": first.suite if first else "default",
@@ -72,7 +86,7 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         "endpoints": _endpoints(jobs, metas), "stages": merged["stages"],
         "clock_offsets_ns": dict(clock_offsets_ns or {}), "telemetry": dict(telemetry or {}),
         "incomplete": notes, "counts": merged["counts"], "workloads": described,
-        "workloads_sent": sent,
+        "workloads_sent": sent, "interrupted": bool(interrupted), "interruption": interrupted,
     }
     data.update(meta or {})
     data = redact.redact_obj(data)  # no known secret, header value or URL userinfo is written
@@ -91,12 +105,23 @@ def source_commit() -> str | None:
     return store.git_commit(_SOURCE_ROOT)
 
 
-def _wait_for_sidecars(run_dir: Path, expected: int | None, wait_s: float) -> list[dict]:
+def wait_for_sidecars(run_dir: Path, expected: int | None, wait_s: float) -> list[dict]:
+    """The sidecars, once ``expected`` of them are final (``closed``) or ``wait_s`` passed."""
     deadline = time.monotonic() + wait_s
-    while expected and len(list(run_dir.glob("proc-*.json"))) < expected and \
-            time.monotonic() < deadline:
+    while True:
+        metas = store.read_proc_meta(run_dir)
+        if not expected or time.monotonic() >= deadline or \
+                sum(1 for m in metas if m.get("closed", True)) >= expected:
+            return metas
         time.sleep(0.1)  # cooperative under Locust (gevent patches time.sleep)
-    return store.read_proc_meta(run_dir)
+
+
+def killed_in_flight(run_dir: Path) -> int:
+    """Records that compaction made of starts a killed load process left without a record."""
+    if not (run_dir / "requests.parquet").exists():
+        return 0
+    err = store.read_table(run_dir, "requests", columns=["error"], shards=False).column("error")
+    return pc.sum(pc.equal(err, store.KILLED_IN_FLIGHT)).as_py() or 0
 
 
 def _endpoints(jobs, metas: list[dict]) -> list[dict]:
@@ -109,14 +134,27 @@ def _endpoints(jobs, metas: list[dict]) -> list[dict]:
 
 
 def merge_proc_meta(metas: list[dict]) -> dict:
-    """Counts summed, stages merged by (endpoint, workload, index): earliest start, latest end."""
+    """Counts summed, stages merged by (endpoint, workload, index): earliest start, latest end.
+    A sidecar never closed (its process was killed) ends its open stage at its last refresh;
+    ``interrupted``: the first process's own account of a signal, if any."""
     counts = {"requests_started": 0, "records_written": 0, "dropped_at_cap": 0}
     stages: dict[tuple, dict] = {}
     incomplete: list[dict] = []
+    interrupted = None
     for m in metas:
         for k in counts:
             counts[k] += int(m.get("counts", {}).get(k, 0))
-        for st in m.get("stages", []):
+        own = list(m.get("stages", []))
+        if not m.get("closed", True):
+            interrupted = interrupted or "killed (a load process never closed its records)"
+            incomplete.append({"what": f"load process {m.get('worker', '?')}", "why": (
+                "killed before it closed its records: its last flush is kept, its requests "
+                "in flight are recorded as cancelled")})
+            st = m.get("open_stage")
+            if st and m.get("updated_ns"):
+                own.append(_cut(st, m["updated_ns"]))
+        interrupted = interrupted or m.get("interrupted")
+        for st in own:
             key = (st.get("endpoint"), st.get("workload"), st.get("index"))
             cur = stages.get(key)
             if cur is None:
@@ -128,7 +166,101 @@ def merge_proc_meta(metas: list[dict]) -> dict:
             if item not in incomplete:
                 incomplete.append(item)
     merged = sorted(stages.values(), key=lambda s: (s["t_start_ns"], s.get("index", 0)))
-    return {"counts": counts, "stages": merged, "incomplete": incomplete}
+    return {"counts": counts, "stages": merged, "incomplete": incomplete,
+            "interrupted": interrupted}
+
+
+def _cut(stage: dict, t_end_ns: int) -> dict:
+    """A stage stopped before its planned end: ``duration_s`` is what ran, ``partial`` set."""
+    st = dict(stage)
+    st["t_end_ns"] = max(int(t_end_ns), int(st["t_start_ns"]))
+    st.setdefault("planned_duration_s", st.get("duration_s"))
+    st["duration_s"] = (st["t_end_ns"] - st["t_start_ns"]) / 1e9
+    st["partial"] = True
+    return st
+
+
+RUNNER_FILE = "runner.json"  # kvbench run's {"worker": "host:pid"} while it drives the run
+
+
+def mark_running(run_dir: Path, running: bool = True) -> None:
+    """Say (or stop saying) that this process drives ``run_dir``, so ``recover`` waits."""
+    path = Path(run_dir) / RUNNER_FILE
+    if running:
+        path.write_text(json.dumps({"worker": f"{socket.gethostname()}:{os.getpid()}",
+                                    "updated_ns": time.time_ns()}))
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover(run_dir: Path | str) -> store.RunMeta | None:
+    """run.json of a run whose finalizer never wrote it (a SIGKILL of the load process or of
+    ``kvbench run``): shards compacted (starts without a record become ``cancelled``), rebuilt
+    from its job file(s) and sidecars, marked interrupted. None when there is nothing to
+    recover (run.json already there, or no shard, job file or sidecar)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "run.json").exists():
+        return None
+    job_files = sorted(run_dir.glob("job-*.json"))
+    metas = store.read_proc_meta(run_dir)
+    if not (job_files or metas or any(run_dir.glob("*.arrows"))):
+        return None
+    runner = run_dir / RUNNER_FILE
+    try:
+        driver = json.loads(runner.read_text()) if runner.exists() else None
+    except (OSError, ValueError):
+        driver = None
+    if isinstance(driver, dict) and _alive(driver):
+        raise DataError(f"{run_dir}: kvbench run (process {driver.get('worker')}) is still "
+                        "driving it; wait for it to end, or stop it first")
+    for m in metas:
+        if not m.get("closed", True) and _alive(m):
+            raise DataError(f"{run_dir}: its run is still going (process {m.get('worker')} "
+                            "writes it); wait for it to end, or stop it first")
+    from kvbench.runs.job import Job
+
+    jobs, workloads, notes = [], {}, []
+    for path in job_files:
+        try:
+            jobs.append(Job.load(path))
+        except UserError as exc:
+            notes.append({"what": path.name, "why": str(exc)[:200]})
+    for job in jobs:
+        if job.workload in workloads:
+            continue
+        try:
+            workloads[job.workload] = job.build_workload()
+        except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
+            notes.append({"what": f"workload summary of {job.workload}",
+                          "why": f"describe failed: {exc}"[:200]})
+    opened = [m["opened_ns"] for m in metas if m.get("opened_ns")]
+    killed = any(not m.get("closed", True) for m in metas)
+    said = next((m["interrupted"] for m in metas if m.get("interrupted")), None)
+    why = ("killed before run.json was written; recovered from its shards" if killed else
+           f"{said}; run.json recovered from its shards" if said else
+           "its finalizer stopped before writing run.json; recovered from its shards")
+    meta = finalize(run_dir, jobs, workloads=workloads, started_ns=min(opened, default=None),
+                    telemetry={"collectors": "unknown: run.json was rebuilt after the run "
+                                             "was stopped"},
+                    incomplete=notes, interrupted=why,
+                    meta=None if jobs else {"run_id": run_dir.name})
+    mark_running(run_dir, False)  # a killed kvbench run's mark
+    return meta
+
+
+def _alive(meta: dict) -> bool:
+    """Whether the process that wrote a sidecar still runs (on this host; elsewhere: assume
+    not, a sidecar refreshed in the last 5 s excepted)."""
+    host, _, pid = str(meta.get("worker", "")).rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return time.time_ns() - int(meta.get("updated_ns") or 0) < 5e9
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def records_so_far(run_dir: Path | str) -> int:

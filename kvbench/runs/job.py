@@ -24,6 +24,7 @@ from kvbench.core.store import new_run_id
 
 SECRET_HEADERS_ENV = "KVBENCH_SECRET_HEADERS"
 FOREVER_S = 3600.0 * 24  # a stage with no end: the run ends on Locust's --run-time
+DRAIN_S = 30.0  # [profiles.*] drain_s's default, for a job without a profile
 DEFAULT_MIX = [("chat", 4), ("rag", 3), ("agent", 2), ("longctx", 1)]
 
 
@@ -80,6 +81,7 @@ class Job:
     gamma_cv: float = 2.0
     max_in_flight: int = 512
     timeout_s: float = 600.0
+    drain_s: float = DRAIN_S  # at a stage's end, how long requests in flight may finish
     warm_connections: bool = True
     ignore_eos: bool = False
     slo: dict = field(default_factory=dict)
@@ -114,6 +116,12 @@ class Job:
                 + (f" at {rates} req/s" if rates else "")
                 + f", {sum(s.duration_s for s in self.stages):g} s)")
 
+    def file_name(self) -> str:
+        """``job-<endpoint>-<workload>-<stage|all>.json``: the job file's name in its run."""
+        stage = self.stage_index if self.pacing == "closed" else "all"
+        return "job-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in
+                                f"{self.endpoint.name}-{self.workload}-{stage}") + ".json"
+
     def build_workload(self, tokenizer=None):
         """The workload generator from the job's own spec(s): no config is read."""
         if ":" in self.workload:
@@ -142,7 +150,9 @@ class Job:
     def save(self, path: Path | str) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # --processes workers race
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+        os.replace(tmp, path)
         return path
 
     def secret_env(self) -> dict:
@@ -303,6 +313,7 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         stage_index=stage_index, gamma_cv=gamma_cv or (prof.gamma_cv if prof else 2.0),
         max_in_flight=max_in_flight or (prof.max_in_flight if prof else 512),
         timeout_s=timeout_s or (prof.request_timeout_s if prof else 600.0),
+        drain_s=prof.drain_s if prof is not None else DRAIN_S,
         warm_connections=warm, ignore_eos=ignore_eos,
         slo={k: v.model_dump(mode="json") for k, v in (cfg_eff.slo if cfg_eff else {}).items()},
         run_id=run_id or new_run_id(cfg.suite.name if cfg is not None else "locust"),

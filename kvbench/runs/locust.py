@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.core.errors import UserError
+from kvbench.runs import lifeline
 from kvbench.runs.job import Job
 
 JOB_LOCUSTFILE = "job"  # runs whatever workload its job file names
-DRAIN_S = 30.0  # after the last open-loop stage, how long in-flight requests may finish
-GRACE_S = 60.0  # beyond Locust's own --run-time before the child is stopped
+GRACE_S = 60.0  # beyond Locust's own --run-time and drain before the child is stopped
+STOP_WAIT_S = 30.0  # after a SIGTERM, before the child's process group gets a SIGKILL
 _USER_CLASS = re.compile(r"^class \w+\((?:[\w.]+\.)?KVBenchUser\)", re.M)
 
 
@@ -75,12 +76,17 @@ def command(job: Job, job_file: Path, processes: int) -> tuple[list[str], float]
         port = free_port()
         cmd += ["--processes", str(processes), "--master-bind-host", "127.0.0.1",
                 "--master-bind-port", str(port), "--master-port", str(port)]
+    # At the stage's end users start nothing new; what is in flight may finish for drain_s
+    # (the job's: the child sets Locust's stop timeout to it, which takes whole seconds only),
+    # then it is cancelled and recorded as cancelled at the stop.
+    drain = min(job.timeout_s, job.drain_s)
     if job.pacing == "closed":
         st = job.stages[job.stage_index]
         cmd += ["-u", str(st.users), "-r", str(st.users),
                 "-t", f"{max(1, math.ceil(st.duration_s))}s"]
-        return cmd, st.duration_s + GRACE_S
-    cap = sum(s.duration_s for s in job.stages) + min(job.timeout_s, DRAIN_S)
+        return cmd, st.duration_s + drain + GRACE_S
+    # open loop: the dispatcher ends the run itself after its stages and drain; -t is a bound
+    cap = sum(s.duration_s for s in job.stages) + drain
     cmd += ["-u", str(processes), "-r", str(processes), "-t", f"{math.ceil(cap)}s"]
     return cmd, cap + GRACE_S
 
@@ -88,26 +94,37 @@ def command(job: Job, job_file: Path, processes: int) -> tuple[list[str], float]
 def run(job: Job, processes: int = 1) -> Outcome:
     """Run the job's Locust child to its end; its log goes to the run directory."""
     run_dir = job.run_dir
-    stage = job.stage_index if job.pacing == "closed" else "all"
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in
-                   f"{job.endpoint.name}-{job.workload}-{stage}")
-    job_file = job.save(run_dir / f"job-{safe}.json")
+    job_file = job.save(run_dir / job.file_name())
     cmd, limit = command(job, job_file, processes)
-    log_path = run_dir / f"locust-{safe}.log"
-    env = {**os.environ, **job.secret_env()}
+    log_path = run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
+    env = {**os.environ, **job.secret_env(), **lifeline.child_env()}
     with open(log_path, "w") as logf:
+        # its own session: a terminal's signals reach kvbench run alone, which stops it
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
             rc = proc.wait(limit)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(30)
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)  # Locust flushes its records on SIGINT
-            proc.wait(30)
+            rc = stop(proc)
+        except BaseException:  # an interrupt (KeyboardInterrupt, or kvbench run's signals)
+            stop(proc)
             raise
     return Outcome(rc, _error(log_path, rc, job), log_path)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM to the child's process group (Locust and its --processes workers close their
+    records and stop: no drain on an interrupt), SIGKILL after ``STOP_WAIT_S``."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
 
 
 def _error(log_path: Path, rc: int, job: Job) -> str | None:
