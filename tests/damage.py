@@ -258,8 +258,10 @@ CATEGORIES: dict[str, Mutation] = {
     "run.json []": run_json_whole([]),
     "run.json zero bytes": _on("run.json", zero),
     "run.json truncated": _on("run.json", lambda p, r: _put(p, p.read_bytes()[:200])),
-    # no run.json and no job file: nothing to recover the run from
-    "run.json and job files missing": lambda d, r: _delete_all(d, "run.json", "job-*.json"),
+    # no run.json, job file or process sidecar: nothing to recover the run from (with a job
+    # file or a sidecar left, kvbench recovers the run instead)
+    "run.json, job files and sidecars missing": lambda d, r: _delete_all(
+        d, "run.json", "job-*.json", "proc-*.json"),
     "run.json stages a string": run_field("stages", "open"),
     "run.json endpoints a dict": run_field("endpoints", {"emu": 1}),
     "run.json config a list": run_field("config", [1, 2]),

@@ -441,7 +441,7 @@ def _compatible(have: pa.DataType, want: pa.DataType) -> bool:
 def check_schema(have: pa.Schema, table: str, path: Path) -> None:
     """Raise a ``DataError`` naming ``path`` when a file's schema is not one of ``table``'s:
     a required column missing, or a column of a type that does not read as the schema's."""
-    schema = TABLES[table]
+    schema = SHARD_SCHEMAS[table]
     missing = [c for c in REQUIRED.get(table, ()) if c not in have.names]
     if missing:
         cols = ", ".join(have.names[:6]) + (", ..." if len(have.names) > 6 else "")
@@ -612,7 +612,8 @@ def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
 
 def read_starts(run_dir: Path | str) -> pa.Table:
     """Every request start the load processes of a run wrote (complete batches)."""
-    batches = [_conform(b, STARTS, None) for b in _shard_batches(Path(run_dir), "starts")]
+    batches = [_conform(b, STARTS, None, shard, "starts")
+               for shard, b in _shard_batches(Path(run_dir), "starts")]
     return pa.Table.from_batches(batches, schema=STARTS) if batches else STARTS.empty_table()
 
 
