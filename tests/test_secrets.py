@@ -180,3 +180,15 @@ def test_endpoint_record_and_report_appendix_strip_url_userinfo():
                           "url": "http://u:old-pw@h"}], "suite": {"name": "s"}}
     assert "old-secret" not in json.dumps(public_config(old))
     assert "old-pw" not in json.dumps(public_config(old))
+
+
+def test_locust_child_log_is_scrubbed_of_what_it_printed_outside_logging(tmp_path):
+    from kvbench.runs import locust as runs_locust
+
+    key = "sk-printed-outside-logging-42"
+    redact.add(key)
+    log = tmp_path / "locust-x.log"
+    log.write_text(f"Traceback (most recent call last):\n  RuntimeError: bad key {key}\n")
+    runs_locust._scrub(log)
+    text = log.read_text()
+    assert key not in text and redact.MARK in text and "RuntimeError: bad key" in text

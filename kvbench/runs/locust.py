@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.runs import lifeline
 from kvbench.runs.job import Job
@@ -109,7 +110,21 @@ def run(job: Job, processes: int = 1) -> Outcome:
         except BaseException:  # an interrupt (KeyboardInterrupt, or kvbench run's signals)
             stop(proc)
             raise
+        finally:
+            _scrub(log_path)
     return Outcome(rc, _error(log_path, rc, job), log_path)
+
+
+def _scrub(log_path: Path) -> None:
+    """Redact the child's log in place: its logging is filtered as it writes, but what the
+    child prints outside logging (a gevent traceback, a library's print) is not."""
+    try:
+        text = log_path.read_text(errors="replace")
+        clean = redact.redact(text)
+        if clean != text:
+            log_path.write_text(clean)
+    except OSError:
+        pass
 
 
 def stop(proc: subprocess.Popen) -> int:
