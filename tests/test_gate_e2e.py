@@ -9,6 +9,7 @@ shared seeded schedule, and no errors.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -222,3 +223,16 @@ def test_rates_carry_count_noise_only_when_the_schedules_differ(tmp_path):
     (r,) = gate.evaluate(base, fewer_other, rules, slo={})
     assert r.verdict == "inconclusive" and r.low < 0.85 < 0.95 < r.high, r.describe()
     assert "Poisson" in r.note
+
+
+def test_a_killed_baseline_named_by_run_id_is_recovered(aa, store):
+    """A baseline whose finalizer was killed (shards compacted, no run.json) named by its run
+    id, not its directory, is recovered like a directory is."""
+    killed = store / "killed-a"
+    shutil.copytree(store / "a", killed)
+    (killed / "run.json").unlink()
+    p = _kvbench("gate", "--baseline", "killed-a", "--current", str(store / "b"),
+                 "--results-dir", str(store), "--no-history")
+    assert "recovered" in p.stderr, p.stderr
+    assert p.returncode in (0, 2), p.stdout + p.stderr  # compared, not a data error
+    assert load_results(killed).meta.interrupted

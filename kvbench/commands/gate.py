@@ -35,11 +35,12 @@ def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: 
 
     if spec == "last-pass":
         return last_pass(results_dir, suite, exclude_run=current.name)
-    path = Path(spec)
-    if (path / "run.json").exists():
-        return path
-    if (results_dir / spec / "run.json").exists():
-        return results_dir / spec
+    from kvbench.commands.recover import ensure_recovered
+
+    for path in (Path(spec), results_dir / spec):
+        ensure_recovered(path)  # a killed baseline named by its run id is rebuilt too
+        if (path / "run.json").exists():
+            return path
     raise DataError(f"baseline {spec!r} is neither a results directory nor a run id under "
                     f"{results_dir}; give a directory holding run.json, a run id or last-pass")
 
@@ -74,8 +75,7 @@ def _run(args) -> int:
     from kvbench.commands.recover import ensure_recovered
 
     current_path = Path(args.current)
-    for path in (current_path, Path(args.baseline)):
-        ensure_recovered(path)  # a killed run: its run.json rebuilt first
+    ensure_recovered(current_path)  # a killed run: its run.json rebuilt first
     current = load_results(current_path)
     if args.config:
         cfg = load_config(args.config)
