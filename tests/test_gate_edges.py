@@ -119,3 +119,17 @@ def test_paired_change_and_interval_come_from_the_same_requests(tmp_path):
         # ... so the change shown lies inside its own interval
         assert r.low <= r.current / r.baseline <= r.high, r.describe()
         assert r.verdict == "pass", r.describe()
+
+
+def test_invalid_recorded_gate_rules_are_one_line_naming_the_field(tmp_path):
+    import json
+
+    base, cur = _run(tmp_path, "base", seed=2), _run(tmp_path, "cur")
+    meta = json.loads((cur / "run.json").read_text())
+    meta["config"]["gate"]["rules"][0]["metric"] = ""
+    (cur / "run.json").write_text(json.dumps(meta))
+    p, junit, _ = _gate_cli(tmp_path, base, cur)
+    assert p.returncode == 3 and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rules[0].metric" in lines[0] and "run.json" in lines[0], lines
+    assert ET.parse(junit).getroot().get("errors") == "1"

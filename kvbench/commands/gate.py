@@ -69,7 +69,9 @@ def _write_error(args, message: str) -> None:
 
 def _run(args) -> int:
     from kvbench.reports import history
-    from kvbench.config import GateConfig, load_config
+    from pydantic import ValidationError
+
+    from kvbench.config import GateConfig, load_config, one_sentence
     from kvbench.core.store import load_results
     from kvbench.reports import gate
     from kvbench.commands.recover import ensure_recovered
@@ -85,9 +87,10 @@ def _run(args) -> int:
         resolved = current.meta.config
         try:
             gate_cfg = GateConfig.model_validate(resolved.get("gate") or {})
-        except Exception as exc:
-            raise DataError(f"{current_path / 'run.json'}: its gate rules are invalid ({exc}); "
-                            "pass --config bench.toml") from None
+        except ValidationError as exc:  # the config's own sentence, on one line
+            raise DataError(one_sentence(current_path / "run.json", exc).removesuffix(".")
+                            + " (in its recorded config's [gate]); pass --config bench.toml"
+                            ) from None
         if not gate_cfg.rules:
             raise DataError(f"{current_path / 'run.json'}: its config has no [gate] rules; "
                             "pass --config bench.toml with [gate] rules")

@@ -17,12 +17,12 @@ from kvbench.config.endpoints import (
     OpenAIEndpoint,
 )
 from kvbench.config.load import LoadProfile, Stage
-from kvbench.config.parse import load_config, parse_config
+from kvbench.config.parse import load_config, one_sentence, parse_config
 from kvbench.reports.spec import SLO, GateConfig, GateRule
 from kvbench.workloads.specs import Strict
 
 __all__ = [
     "BenchConfig", "BuiltinEndpoint", "CollectConfig", "DEFAULT_CONTEXT_TOKENS", "EndpointSpec",
     "GateConfig", "GateRule", "GpuRole", "LoadProfile", "OpenAIEndpoint", "SLO", "Stage",
-    "Strict", "SuiteConfig", "load_config", "parse_config",
+    "Strict", "SuiteConfig", "load_config", "one_sentence", "parse_config",
 ]

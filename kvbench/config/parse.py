@@ -76,7 +76,7 @@ def _message(first: dict) -> str:
     return _clip(msg, 600)
 
 
-def _one_sentence(path: Path, err: ValidationError) -> str:
+def one_sentence(path: Path, err: ValidationError) -> str:
     first = err.errors()[0]
     where = _loc(first["loc"])
     fix = _FIXES.get(first["type"], "")
@@ -90,7 +90,7 @@ def parse_config(data: dict, path: Path | str = "bench.toml") -> BenchConfig:
     try:
         cfg = BenchConfig.model_validate(data)
     except ValidationError as err:
-        raise UserError(_one_sentence(path, err)) from None
+        raise UserError(one_sentence(path, err)) from None
     _cross_checks(cfg, path)
     return cfg
 
