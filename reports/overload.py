@@ -1,0 +1,94 @@
+"""Offered rate against achieved throughput, per stage (or any grouping): is the endpoint
+keeping up with the load it was offered?
+
+A stage offers ``n`` requests over its schedule window (``offered_rps``); the endpoint
+completes them over the achieved interval, from the stage's first send to its last completion
+(``throughput_rps``). An endpoint that keeps up finishes the stage about one response time
+after its last arrival, so achieved stays near offered (a 10 s stage of 2 s responses: about
+17% below). Under overload the backlog drains long after the schedule ended and achieved falls
+far below offered. The verdict is a one-sided Poisson test: overloaded when achieved is more
+than ``SHORTFALL`` below offered and seeing so few completions at ``1 - SHORTFALL`` of the
+offered rate over the achieved interval has probability under ``ALPHA`` (definition
+"overloaded" in ``reports.metrics.DEFINITIONS``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from kvbench.reports import metrics as M
+
+SHORTFALL = 0.2  # achieved more than 20% below offered ...
+ALPHA = 0.01  # ... and a Poisson p-value of so few completions under 1%
+MIN_SCHEDULED = 10  # fewest scheduled requests for a verdict
+
+
+def poisson_cdf(k: int, mu: float) -> float:
+    """P(X <= k) for X ~ Poisson(mu), summed in log space (exact for any k, mu)."""
+    if mu <= 0:
+        return 1.0
+    if k < 0:
+        return 0.0
+    ks = np.arange(int(k) + 1, dtype=np.float64)
+    log_fact = np.cumsum(np.log(np.maximum(ks, 1.0)))  # log k!
+    logp = ks * math.log(mu) - mu - log_fact  # log pmf
+    top = float(logp.max())
+    return float(min(1.0, math.exp(top) * np.exp(logp - top).sum()))
+
+
+def shortfall_p(count: int, window_s: float, offered_rps: float,
+                shortfall: float = SHORTFALL) -> float:
+    """The probability of ``count`` or fewer completions over ``window_s`` when the endpoint
+    completes at ``(1 - shortfall)`` of ``offered_rps`` (small: clearly below offered)."""
+    if not (window_s > 0 and offered_rps > 0):
+        return math.nan
+    return poisson_cdf(int(count), (1 - shortfall) * offered_rps * window_s)
+
+
+def verdict(count: int, scheduled: int, window_s: float, offered_rps: float,
+            shortfall: float = SHORTFALL, alpha: float = ALPHA) -> tuple[bool | None, float]:
+    """(overloaded, p-value) for ``count`` completions over the achieved interval against the
+    offered rate; None when there is no verdict (no offered rate, too few requests)."""
+    if scheduled < MIN_SCHEDULED or not (offered_rps > 0) or not (window_s > 0):
+        return None, math.nan
+    achieved = count / window_s
+    p = shortfall_p(count, window_s, offered_rps, shortfall)
+    return bool(achieved < (1 - shortfall) * offered_rps and p < alpha), p
+
+
+def rates(frame: pd.DataFrame, by: Sequence[str] = ("endpoint", "workload", "stage"),
+          shortfall: float = SHORTFALL, alpha: float = ALPHA) -> pd.DataFrame:
+    """One row per group of ``by``: scheduled, completed and good request counts, the offered
+    rate, achieved throughput and goodput, the achieved interval and schedule window (s), the
+    drain after the schedule, and the verdicts ``overloaded`` and ``goodput_short`` (goodput
+    clearly below offered; None where the group has no class with an SLO) with p-values."""
+    cols = list(by) + ["scheduled", "completed", "good", "offered_rps", "throughput_rps",
+                       "goodput_rps", "achieved_s", "offered_s", "drain_s", "overloaded",
+                       "p_value", "goodput_short", "goodput_p"]
+    rows = []
+    lean = M.slim(frame, by)
+    for key, sub in lean.groupby(list(by), observed=True, sort=True):
+        key = key if isinstance(key, tuple) else (key,)
+        fin = M.finished(sub)
+        completed = int(fin.sum())
+        good = int(M.met_slo(sub).sum())
+        a_s, o_s = M.achieved_s(sub), M.offered_s(sub)
+        offered = len(sub) / o_s if o_s == o_s and o_s > 0 else math.nan
+        over, p = verdict(completed, len(sub), a_s, offered, shortfall, alpha)
+        has = M.with_slo(sub)
+        g_short, g_p = (verdict(good, int(has.sum()), a_s, int(has.sum()) / o_s, shortfall,
+                                alpha) if has.any() and o_s == o_s and o_s > 0
+                        else (None, math.nan))
+        rows.append({**dict(zip(by, key)), "scheduled": len(sub), "completed": completed,
+                     "good": good, "offered_rps": offered,
+                     "throughput_rps": completed / a_s if a_s == a_s else math.nan,
+                     "goodput_rps": (good / a_s if a_s == a_s and has.any() else math.nan),
+                     "achieved_s": a_s, "offered_s": o_s,
+                     "drain_s": a_s - o_s if a_s == a_s and o_s == o_s else math.nan,
+                     "overloaded": over, "p_value": p, "goodput_short": g_short,
+                     "goodput_p": g_p})
+    return pd.DataFrame(rows, columns=cols)
