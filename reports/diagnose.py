@@ -477,6 +477,10 @@ def overloaded(d: ReportData) -> list[Finding]:
                        f"{x['achieved_s']:,.1f} s, scheduled over {x['offered_s']:,.1f} s; the "
                        f"backlog drained {x['drain_s']:,.1f} s after the schedule; Poisson "
                        f"p = {x['p_value']:.2g})"))
+            ev.append((f"{_stage_name(x)}: first tokens/s",
+                       f"{x['started_rps']:,.2f} req/s (the last first token "
+                       f"{x['started_s']:,.1f} s after the first send; p = "
+                       f"{x['started_p']:.2g}): requests waited before their prefill"))
         for _, x in short.iterrows():
             ev.append((f"{_stage_name(x)}: goodput at SLO (classes with an SLO)",
                        f"{x['goodput_rps']:,.2f} req/s: {x['good']:,} requests within SLO "

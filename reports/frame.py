@@ -258,11 +258,12 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     cols["prompt_bucket"] = prompt_buckets(prompt)
     cols["slo_met"] = slo_met(cols, cols["request_class"], slo)
     cols["has_slo"] = has_slo(cols["request_class"], slo)
-    key, wall, achieved, offered = _stage_walls(table, cols, stages, e2e_ns)
+    key, wall, achieved, offered, started = _stage_walls(table, cols, stages, e2e_ns, ttft_ns)
     cols["stage_key"] = key
     cols["stage_wall_s"] = wall
     cols["stage_achieved_s"] = achieved
     cols["stage_offered_s"] = offered
+    cols["stage_started_s"] = started
     if gaps is None:
         gaps = GapStore.from_offsets(table.column("chunk_offsets_ns"), keep=ok)
     if len(gaps) != n:
@@ -274,8 +275,8 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
 
 
 def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
-                 e2e_ns: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per row: an id of its (endpoint, workload, stage) and three times of that stage, in s:
+                 e2e_ns: np.ndarray, ttft_ns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per row: an id of its (endpoint, workload, stage) and four times of that stage, in s:
 
     - wall: the stage's t_end - t_start from run.json (fallback: last response end minus first
       scheduled send);
@@ -284,7 +285,10 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
     - offered: the schedule window the stage's arrivals were drawn over: ``duration_s`` of an
       open-loop rate stage, stage start to last scheduled arrival of a trace replay (whose
       stage ends when the trace does), NaN for a closed loop (users, not a rate); without a
-      stage record, first to last scheduled send."""
+      stage record, first to last scheduled send;
+    - started: first send to the last first token of a successful request: the interval over
+      which the endpoint started serving the stage's requests (a long answer does not stretch
+      it; a queue before the prefill does)."""
     ep_codes = np.asarray(cols["endpoint"].codes, np.int64)
     wl_codes = np.asarray(cols["workload"].codes, np.int64)
     stage = np.asarray(cols["stage"], np.int64)
@@ -292,7 +296,7 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
     key = (ep_codes * n_wl + wl_codes) * 10_000 + stage
     wall = np.full(len(key), np.nan)
     if len(key) == 0:
-        return key, wall, wall.copy(), wall.copy()
+        return key, wall, wall.copy(), wall.copy(), wall.copy()
     uniq, inv = np.unique(key, return_inverse=True)
     m = len(uniq)
     t_sched = np.asarray(cols["t_scheduled_ns"], np.float64)
@@ -311,6 +315,13 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
     with np.errstate(invalid="ignore"):
         achieved = (last_done - first_sent) / 1e9
     achieved = np.where(np.isfinite(achieved) & (achieved > 0), achieved, np.nan)
+    first_tok = t_sent + ttft_ns
+    has_tok = np.asarray(cols["ok"], bool) & sent & ~np.isnan(ttft_ns)
+    last_tok = np.full(m, -np.inf)
+    np.maximum.at(last_tok, inv[has_tok], first_tok[has_tok])
+    with np.errstate(invalid="ignore"):
+        started = (last_tok - first_sent) / 1e9
+    started = np.where(np.isfinite(started) & (started > 0), started, np.nan)
     sched_last = np.full(m, -np.inf)
     np.maximum.at(sched_last, inv, t_sched)
     with np.errstate(invalid="ignore"):
@@ -343,7 +354,7 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
         walls[i], offers[i] = got if got is not None else (data_wall[i], data_offered[i])
     walls = np.where(walls > 0, walls, np.nan)
     offers = np.where(offers > 0, offers, np.nan)
-    return key, walls[inv], achieved[inv], offers[inv]
+    return key, walls[inv], achieved[inv], offers[inv], started[inv]
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,6 +385,11 @@ def wall_s(frame: pd.DataFrame, column: str = "stage_wall_s") -> float:
 def achieved_s(frame: pd.DataFrame) -> float:
     """The achieved interval of the rows' stages (first send to last completion, summed)."""
     return wall_s(frame, "stage_achieved_s")
+
+
+def started_s(frame: pd.DataFrame) -> float:
+    """First send to last first token of the rows' stages, summed (``request_frame``)."""
+    return wall_s(frame, "stage_started_s")
 
 
 def offered_s(frame: pd.DataFrame) -> float:

@@ -32,7 +32,7 @@ from kvbench.reports import resampling as R
 # request_frame and NS_PER_MS are re-exported: the run summary, the gate and diagnosis build
 # and read frames through this module
 from kvbench.reports.frame import (NS_PER_MS, achieved_s, itl_values,  # noqa: F401
-                                   offered_s, request_frame, wall_s)
+                                   offered_s, request_frame, started_s, wall_s)
 from kvbench.reports.resampling import CI, drop_nan, interval
 
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99, "p999": 0.999}
@@ -57,11 +57,17 @@ DEFINITIONS = {
                "included; arrivals dropped at max_in_flight are not records) / the schedule "
                "window: the stage's duration_s for an open-loop rate, the stage start to the "
                "last scheduled arrival for a trace replay; none for a closed loop (users).",
-    "overloaded": "a stage is overloaded when its achieved throughput is clearly below its "
-                  "offered rate: more than 20% below, and the Poisson probability of so few "
-                  "completions at 80% of the offered rate over the achieved interval is under "
-                  "1% (beyond arrival noise). The same test on goodput says the stage served "
-                  "fewer requests within SLO than it was offered.",
+    "started": "first tokens/s: successful requests per second from the stage's first send "
+               "to its last first token: the rate at which the endpoint started serving. A "
+               "long answer stretches the achieved interval (a 15 s answer in a 10 s stage) "
+               "but not this one; a queue before the prefill stretches both.",
+    "overloaded": "a stage is overloaded when both its achieved throughput and its first "
+                  "tokens/s are clearly below its offered rate: each more than 20% below, and "
+                  "the Poisson probability of so few requests at 80% of the offered rate over "
+                  "its interval under 1% (beyond arrival noise). Achieved alone below offered "
+                  "with first tokens on schedule is the drain of long answers, not overload. "
+                  "The same test on goodput (with first tokens/s) says the stage served fewer "
+                  "requests within SLO than it was offered.",
     "goodput": "requests that succeeded and met every SLO of their class (TTFT, TPOT, E2E), per "
                "second of the achieved interval; SLO attainment is their share of the requests "
                "that finished: errors count as misses, requests cancelled at the stop are left "
@@ -401,6 +407,8 @@ register(Count("throughput_rps", "achieved throughput", "throughput", finished,
                per_second=True, higher_is_better=True, over=finished))
 register(Count("offered_rps", "offered rate", "offered", lambda f: np.ones(len(f), bool),
                per_second=True, higher_is_better=True, window=offered_s))
+register(Count("started_rps", "first tokens/s", "started", lambda f: f["ok"].to_numpy(),
+               per_second=True, higher_is_better=True, over=finished, window=started_s))
 register(Goodput("goodput_rps", "goodput at SLO", "goodput", met_slo,
                  per_second=True, higher_is_better=True, over=_goodput_over))
 register(TokenRate("input_tps", "input tokens/s", "prompt_tokens"))
@@ -491,7 +499,7 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
 
 # Columns the registry's metrics read (besides the group keys).
 METRIC_COLUMNS = ("ok", "cancelled", "slo_met", "has_slo", "stage_key", "stage_wall_s",
-                  "stage_achieved_s", "stage_offered_s", "prompt_tokens", "completion_tokens",
+                  "stage_achieved_s", "stage_offered_s", "stage_started_s", "prompt_tokens", "completion_tokens",
                   "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms", "itl_row")
 
 

@@ -27,8 +27,8 @@ from kvbench.reports import overload as O
 from kvbench.reports.frame import itl_values, wall_s
 from kvbench.reports.resampling import CI
 
-SUMMARY_METRICS = ("offered_rps", "throughput_rps", "goodput_rps", "slo_attainment", "output_tps",
-                   "input_tps",
+SUMMARY_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
+                   "slo_attainment", "output_tps", "input_tps",
                    "ttft_p50", "ttft_p90", "ttft_p99", "ttft_p999", "ttft_mean", "tpot_p50",
                    "tpot_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "lateness_p99",
                    "error_rate", "hit_ratio")
@@ -143,7 +143,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     for name in SUMMARY_METRICS:
         info = M.METRIC_INFO[name]
         summary.append(_row(info.label, info.unit, [values[ep][name] for ep in eps],
-                            None if name == "offered_rps" else info.higher_is_better,
+                            None if name in ("offered_rps", "started_rps")
+                            else info.higher_is_better,
                             [cis[ep].get(name) for ep in eps] if name in CI_METRICS else None,
                             no_slo=no_slo_ep if name in SLO_METRICS else None))
     stage_rates = O.rates(f)
@@ -349,8 +350,8 @@ def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
     throughput and goodput (``reports.overload.rates``), the verdict and latencies."""
     f = d.frame
     t = M.summarise(f, by=["endpoint", "workload", "stage"],
-                    metrics=("offered_rps", "throughput_rps", "goodput_rps", "ttft_p50",
-                             "ttft_p99", "tpot_p50", "e2e_p99", "error_rate"))
+                    metrics=("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
+                             "ttft_p50", "ttft_p99", "tpot_p50", "e2e_p99", "error_rate"))
     if t.empty:
         return t
     t = _mark_no_slo(t, f, ["endpoint", "workload", "stage"])
