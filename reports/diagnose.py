@@ -457,6 +457,7 @@ def overloaded(d: ReportData) -> list[Finding]:
     out = []
     f = d.frame
     rates = O.rates(f)
+    engine_queue = E.queue_time(d.engine)
     lean = f[["endpoint", "ok", "ttft_ms", "server_queue_ms"]]
     for ep, sub in lean.groupby("endpoint", observed=True):
         ep = str(ep)
@@ -465,6 +466,12 @@ def overloaded(d: ReportData) -> list[Finding]:
         short = r[r["goodput_short"].fillna(False).astype(bool)]
         ok = sub[sub["ok"].to_numpy()]
         q_ms, ttft_ms, n_q = _queue_evidence(ok)
+        q_source = "server-reported queue time (per request)"
+        if n_q < MIN_ROWS and ep in engine_queue and len(ok) >= MIN_ROWS:
+            # no per-request server times: the engine's own queue-time histogram, as means
+            name, mean_s, n_q = engine_queue[ep]
+            q_ms, ttft_ms = mean_s * 1e3, M.mean(ok["ttft_ms"].to_numpy())
+            q_source = f"engine queue time ({name}, mean over {n_q:,.0f} requests)"
         queueing = (n_q >= MIN_ROWS and q_ms >= QUEUE_MIN_MS and ttft_ms > 0
                     and q_ms >= QUEUE_SHARE * ttft_ms)
         if not len(over) and not queueing:
@@ -487,7 +494,8 @@ def overloaded(d: ReportData) -> list[Finding]:
                        f"over {x['achieved_s']:,.1f} s, clearly below the offered rate "
                        f"(p = {x['goodput_p']:.2g})"))
         if n_q >= MIN_ROWS:
-            ev.append(("median server-reported queue time / median TTFT",
+            stat = "median" if q_source.startswith("server") else "mean"
+            ev.append((f"{q_source}: {stat} queue time / {stat} TTFT",
                        f"{_fmt(q_ms, 'ms')} / {_fmt(ttft_ms, 'ms')} "
                        f"({q_ms / ttft_ms:.0%} of TTFT)" if ttft_ms > 0 else _fmt(q_ms, "ms")))
         else:

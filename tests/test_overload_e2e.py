@@ -232,3 +232,15 @@ def test_a_run_that_keeps_up_is_not_overloaded(kept_up):
         assert r["completed"] == r["scheduled"]
     found = D.diagnose(d)
     assert "overloaded" not in {x.rule for x in found}, [(x.rule, x.evidence) for x in found]
+
+
+def test_without_per_request_server_times_the_engine_queue_histogram_is_the_evidence(
+        overloaded):
+    """A real vLLM sends no per-request queue time; its /metrics queue-time histogram does."""
+    run_dir, _ = overloaded
+    d = load([run_dir])
+    d.frame["server_queue_ms"] = np.nan
+    (x,) = [x for x in D.diagnose(d) if x.rule == "overloaded"]
+    text = " ".join(f"{k}: {v}" for k, v in x.evidence)
+    assert "vllm:request_queue_time_seconds" in text, text
+    assert x.numbers["queue_ms"] > 0.5 * x.numbers["ttft_ms"]
