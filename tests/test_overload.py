@@ -103,3 +103,43 @@ def test_no_slo_class_is_left_out_of_goodput_and_attainment():
     assert np.isnan(M.statistic(trace, "slo_attainment"))
     est, reps = M.bootstrap_replicates(trace, "goodput_rps", 50)
     assert np.isnan(est) and np.isnan(reps).all()
+
+
+def _report(table: pa.Table, stages: list) -> "ReportData":
+    from kvbench.reports.data import ReportData
+
+    empty = pa.table({"endpoint": pa.array([], pa.string())})
+    return ReportData(frame=M.request_frame(table, stages=stages), runs=[], paths=[],
+                      gpu=empty, engine=empty, slo={})
+
+
+def _late(table: pa.Table, late_ms) -> pa.Table:
+    """Send request i ``late_ms(i)`` after its schedule (the load process's own delay)."""
+    sched = table.column("t_scheduled").to_numpy()
+    sent = sched + np.array([int(late_ms(i) * MS) for i in range(len(sched))])
+    i = REQUESTS.get_field_index("t_sent")
+    return table.set_column(i, REQUESTS.field(i), pa.array(sent, pa.int64()))
+
+
+@pytest.mark.parametrize("late,overloaded,blamed", [
+    # late only once the overloaded endpoint's backlog holds many streams: its finding says so
+    (lambda i: 120.0 if i >= 120 else 0.0, True, False),
+    # late all along (every 3rd send, whatever is in flight): the load process itself
+    (lambda i: 120.0 if i % 3 == 0 else 0.0, True, True),
+    # the same backlog-shaped lateness on an endpoint that keeps up: the load process
+    (lambda i: 120.0 if i >= 120 else 0.0, False, True),
+])
+def test_the_client_is_not_blamed_for_the_servers_backlog(late, overloaded, blamed):
+    from kvbench.reports import diagnose as D
+
+    if overloaded:
+        table, stages = _stage(200, 10.0, lambda i: 0.15 * i + 0.05, lambda i: 0.15 * i + 0.5)
+    else:
+        table, stages = _stage(200, 10.0, lambda i: 0.05, lambda i: 0.5 + 0.01 * i)
+    d = _report(_late(table, late), stages)
+    over = D.overloaded(d)
+    assert bool(over) == overloaded
+    assert bool(D.loadgen_saturated(d)) == blamed
+    if overloaded and not blamed:
+        (x,) = over
+        assert "not the load process" in " ".join(k for k, _ in x.evidence)
