@@ -318,7 +318,7 @@ def _overload_row(rates: pd.DataFrame, eps: list[str]) -> dict:
             text = f"{len(over)} of {len(judged)}: " + ", ".join(
                 f"{w} stage {s}" for w, s in zip(over["workload"], over["stage"]))
         cells.append(Cell(text, float(len(over))))
-    return {"label": "overloaded stages (achieved clearly below offered)", "unit": "",
+    return {"label": "overloaded stages (achieved and first tokens/s clearly below offered)", "unit": "",
             "cells": cells, "better": "lower"}
 
 
@@ -367,8 +367,9 @@ def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
         over.append("–" if v is None or v != v else ("yes" if v else "no"))
         if r["offered_rps"] == r["offered_rps"]:
             offered.append(float(r["offered_rps"]))
-            load.append(f"{fmt(r['offered_rps'])} req/s" + (
-                f" ({fmt(s['rate_rps'])} planned)" if s.get("rate_rps") else ""))
+            load.append(f"{s.get('pacing') or 'rate'} {fmt(s['rate_rps'])} req/s planned"
+                        if s.get("rate_rps") else f"{s.get('pacing') or 'scheduled'} replay"
+                        if s.get("pacing") == "trace" else "scheduled")
             kind.add("rate")
         elif s.get("users"):
             offered.append(float(s["users"]))
