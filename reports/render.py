@@ -318,8 +318,8 @@ def _overload_row(rates: pd.DataFrame, eps: list[str]) -> dict:
             text = f"{len(over)} of {len(judged)}: " + ", ".join(
                 f"{w} stage {s}" for w, s in zip(over["workload"], over["stage"]))
         cells.append(Cell(text, float(len(over))))
-    return {"label": "overloaded stages (achieved and first tokens/s clearly below offered)", "unit": "",
-            "cells": cells, "better": "lower"}
+    return {"label": "overloaded stages (achieved and first tokens/s clearly below offered)",
+            "unit": "", "cells": cells, "better": "lower"}
 
 
 def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None) -> dict:
