@@ -500,7 +500,8 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
 # Columns the registry's metrics read (besides the group keys).
 METRIC_COLUMNS = ("ok", "cancelled", "slo_met", "has_slo", "stage_key", "stage_wall_s",
                   "stage_achieved_s", "stage_offered_s", "stage_started_s", "prompt_tokens",
-                  "completion_tokens", "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms", "itl_row")
+                  "completion_tokens", "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
+                  "lateness_ms", "itl_row")
 
 
 def slim(frame: pd.DataFrame, keep: Iterable[str] = ()) -> pd.DataFrame:
