@@ -50,6 +50,13 @@ def test_poisson_cdf_is_the_sum_of_the_pmf(k, mu):
     assert O.poisson_cdf(k, mu) == pytest.approx(min(exact, 1.0), rel=1e-9, abs=1e-300)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(20_000, 200_000), st.floats(-4, 4))
+def test_the_approximate_tail_agrees_with_the_exact_sum(k, z):
+    mu = k + z * math.sqrt(k)  # within a few standard deviations, where a verdict turns
+    assert O.poisson_cdf_approx(k, mu) == pytest.approx(O.poisson_cdf(k, mu), abs=1e-3)
+
+
 def test_verdict_needs_a_clear_shortfall_beyond_noise():
     # 100 s at 10 req/s offered: 950 done is noise, 500 is a shortfall
     assert O.verdict(950, 1000, 100.0, 10.0)[0] is False
