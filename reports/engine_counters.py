@@ -109,6 +109,29 @@ def preemptions(engine: pa.Table) -> dict[str, tuple[str, float]]:
     return {ep: (by_ep[ep].preemptions, v) for ep, v in inc.items()}
 
 
+QUEUE_TIME_SUFFIX = "queue_time_seconds"  # vLLM's request_queue_time_seconds histogram
+
+
+def queue_time(engine: pa.Table) -> dict[str, tuple[str, float, float]]:
+    """Per endpoint: (histogram name, mean seconds, requests) of the engine's own request queue
+    time histogram (a ``*queue_time_seconds`` histogram's _sum and _count increases over the
+    run, vLLM's ``vllm:request_queue_time_seconds``), where it publishes one."""
+    if engine.num_rows == 0:
+        return {}
+    names = {str(x) for x in engine.column("metric").unique().to_pylist() if x}
+    out: dict[str, tuple[str, float, float]] = {}
+    for base in sorted(n[:-len("_sum")] for n in names
+                       if n.endswith(QUEUE_TIME_SUFFIX + "_sum")):
+        if base + "_count" not in names:
+            continue
+        sums = counter_increase(engine, base + "_sum")
+        counts = counter_increase(engine, base + "_count")
+        for ep, n in counts.items():
+            if n > 0 and ep not in out:
+                out[ep] = (base, sums.get(ep, 0.0) / n, n)
+    return out
+
+
 def _token_counters(a: EngineAdapter) -> dict[str, tuple[str, ...]]:
     """Per quantity the records hold, the counters whose increases sum to it on this engine."""
     out: dict[str, tuple[str, ...]] = {}

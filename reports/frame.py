@@ -25,7 +25,7 @@ FRAME_COLUMNS = ("endpoint", "topology", "workload", "request_class", "session_i
                  "status", "error", "server_replica", "server_region", "stage", "turn",
                  "http_status", "prompt_tokens", "prompt_tokens_client", "completion_tokens",
                  "completion_tokens_client", "cached_tokens", "shared_prefix_tokens",
-                 "t_scheduled", "t_sent", "ttft_ns", "e2e_ns", "server_queue_ns",
+                 "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "e2e_ns", "server_queue_ns",
                  "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns")
 _STRING_COLS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
                 "status", "error", "server_replica", "server_region")
@@ -161,12 +161,23 @@ def _slo_get(slo_cfg, key: str):
     return slo_cfg.get(key) if isinstance(slo_cfg, Mapping) else getattr(slo_cfg, key, None)
 
 
+def has_slo(classes: pd.Categorical, slo: Mapping[str, object] | None) -> np.ndarray:
+    """True where the request's class has an SLO (at least one of TTFT, TPOT, E2E set).
+
+    A class without one is shown as "no SLO": its requests are left out of SLO attainment and
+    goodput (never counted as met by default)."""
+    with_slo = [str(name) for name, cfg in (slo or {}).items()
+                if any(_slo_get(cfg, k) is not None for k in ("ttft_ms", "tpot_ms", "e2e_ms"))]
+    return np.asarray(pd.Series(classes.astype(object)).isin(with_slo).to_numpy(), bool)
+
+
 def slo_met(frame_cols: Mapping[str, np.ndarray], classes: pd.Categorical,
             slo: Mapping[str, object] | None) -> np.ndarray:
     """True where the request succeeded and met every SLO set for its class.
 
-    A class with no SLO table only needs success; a single-token response has no TPOT, so a
-    TPOT SLO does not apply to it."""
+    A class with no SLO table only needs success here, but ``has_slo`` leaves it out of
+    attainment and goodput; a single-token response has no TPOT, so a TPOT SLO does not apply
+    to it."""
     ok = frame_cols["ok"]
     met = ok.copy()
     if not slo:
@@ -236,6 +247,9 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
         "tpot_ms": tpot_ms,
         "e2e_ms": e2e_ms,
         "lateness_ms": (t_sent - t_sched) / NS_PER_MS,
+        "connect_ms": _f64(table, "connect_ns") / NS_PER_MS,
+        # when the request stopped (last byte, or the error): the end of the achieved interval
+        "t_done_ns": t_sent.astype(np.float64) + np.nan_to_num(e2e_ns),
         "server_queue_ms": _f64(table, "server_queue_ns") / NS_PER_MS,
         "server_prefill_ms": _f64(table, "server_prefill_ns") / NS_PER_MS,
         "server_kv_transfer_ms": _f64(table, "server_kv_transfer_ns") / NS_PER_MS,
@@ -243,9 +257,13 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     })
     cols["prompt_bucket"] = prompt_buckets(prompt)
     cols["slo_met"] = slo_met(cols, cols["request_class"], slo)
-    key, wall = _stage_walls(table, cols, stages, e2e_ns)
+    cols["has_slo"] = has_slo(cols["request_class"], slo)
+    key, wall, achieved, offered, started = _stage_walls(table, cols, stages, e2e_ns, ttft_ns)
     cols["stage_key"] = key
     cols["stage_wall_s"] = wall
+    cols["stage_achieved_s"] = achieved
+    cols["stage_offered_s"] = offered
+    cols["stage_started_s"] = started
     if gaps is None:
         gaps = GapStore.from_offsets(table.column("chunk_offsets_ns"), keep=ok)
     if len(gaps) != n:
@@ -257,8 +275,20 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
 
 
 def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
-                 e2e_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: an id of its (endpoint, workload, stage) and that stage's wall time in s."""
+                 e2e_ns: np.ndarray, ttft_ns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per row: an id of its (endpoint, workload, stage) and four times of that stage, in s:
+
+    - wall: the stage's t_end - t_start from run.json (fallback: last response end minus first
+      scheduled send);
+    - achieved: first send to last completion of a request that finished (drain included;
+      requests cancelled at the stop do not complete), the interval of achieved throughput;
+    - offered: the schedule window the stage's arrivals were drawn over: ``duration_s`` of an
+      open-loop rate stage, stage start to last scheduled arrival of a trace replay (whose
+      stage ends when the trace does), NaN for a closed loop (users, not a rate); without a
+      stage record, first to last scheduled send;
+    - started: first send to the last first token of a successful request: the interval over
+      which the endpoint started serving the stage's requests (a long answer does not stretch
+      it; a queue before the prefill does)."""
     ep_codes = np.asarray(cols["endpoint"].codes, np.int64)
     wl_codes = np.asarray(cols["workload"].codes, np.int64)
     stage = np.asarray(cols["stage"], np.int64)
@@ -266,30 +296,65 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
     key = (ep_codes * n_wl + wl_codes) * 10_000 + stage
     wall = np.full(len(key), np.nan)
     if len(key) == 0:
-        return key, wall
+        return key, wall, wall.copy(), wall.copy(), wall.copy()
     uniq, inv = np.unique(key, return_inverse=True)
-    # Fallback from the data: last response end minus first scheduled send, per stage.
+    m = len(uniq)
     t_sched = np.asarray(cols["t_scheduled_ns"], np.float64)
-    t_end = np.asarray(cols["t_sent_ns"], np.float64) + np.nan_to_num(e2e_ns)
-    first = np.full(len(uniq), np.inf)
-    last = np.full(len(uniq), -np.inf)
+    t_sent = np.asarray(cols["t_sent_ns"], np.float64)
+    t_end = t_sent + np.nan_to_num(e2e_ns)
+    first, last = np.full(m, np.inf), np.full(m, -np.inf)
     np.minimum.at(first, inv, t_sched)
     np.maximum.at(last, inv, t_end)
     data_wall = (last - first) / 1e9
-    by_stage = {}
+    # achieved: first send of the stage to its last completion (finished requests only)
+    sent = t_sent > 0
+    done = ~np.asarray(cols["cancelled"], bool) & sent
+    first_sent, last_done = np.full(m, np.inf), np.full(m, -np.inf)
+    np.minimum.at(first_sent, inv[sent], t_sent[sent])
+    np.maximum.at(last_done, inv[done], t_end[done])
+    with np.errstate(invalid="ignore"):
+        achieved = (last_done - first_sent) / 1e9
+    achieved = np.where(np.isfinite(achieved) & (achieved > 0), achieved, np.nan)
+    first_tok = t_sent + ttft_ns
+    has_tok = np.asarray(cols["ok"], bool) & sent & ~np.isnan(ttft_ns)
+    last_tok = np.full(m, -np.inf)
+    np.maximum.at(last_tok, inv[has_tok], first_tok[has_tok])
+    with np.errstate(invalid="ignore"):
+        started = (last_tok - first_sent) / 1e9
+    started = np.where(np.isfinite(started) & (started > 0), started, np.nan)
+    sched_last = np.full(m, -np.inf)
+    np.maximum.at(sched_last, inv, t_sched)
+    with np.errstate(invalid="ignore"):
+        data_offered = (sched_last - first) / 1e9
+    by_stage: dict[int, tuple[float, float]] = {}
     raw_ep = table.column("endpoint")
     ep_names = list(_categorical(raw_ep).categories)
     wl_names = list(cols["workload"].categories)
+    pos = {int(k): i for i, k in enumerate(uniq)}
     for st in stages or ():
         try:
             k = (ep_names.index(st["endpoint"]) * n_wl + wl_names.index(st["workload"])) \
                 * 10_000 + int(st["index"])
-            by_stage[k] = (int(st["t_end_ns"]) - int(st["t_start_ns"])) / 1e9
+            t0, t1 = int(st["t_start_ns"]), int(st["t_end_ns"])
         except (KeyError, ValueError, TypeError):
             continue
-    walls = np.array([by_stage.get(int(k), d) for k, d in zip(uniq, data_wall)])
+        i = pos.get(k)
+        offered = math.nan  # a closed loop offers users, not a rate
+        if st.get("pacing") == "trace":
+            if i is not None and sched_last[i] > t0:
+                offered = (sched_last[i] - t0) / 1e9
+        elif st.get("rate_rps"):
+            offered = float(st.get("duration_s") or (t1 - t0) / 1e9)
+        elif not st.get("users") and i is not None:  # a record that does not say: the data
+            offered = data_offered[i]
+        by_stage[k] = ((t1 - t0) / 1e9, offered)
+    walls, offers = np.empty(m), np.empty(m)
+    for i, k in enumerate(uniq):
+        got = by_stage.get(int(k))
+        walls[i], offers[i] = got if got is not None else (data_wall[i], data_offered[i])
     walls = np.where(walls > 0, walls, np.nan)
-    return key, walls[inv]
+    offers = np.where(offers > 0, offers, np.nan)
+    return key, walls[inv], achieved[inv], offers[inv], started[inv]
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,15 +370,31 @@ def itl_values(frame: pd.DataFrame) -> np.ndarray:
     return store.gather(frame["itl_row"].to_numpy())
 
 
-def wall_s(frame: pd.DataFrame) -> float:
-    """Wall time of the stages the rows come from (each stage once)."""
+def wall_s(frame: pd.DataFrame, column: str = "stage_wall_s") -> float:
+    """Wall time of the stages the rows come from (each stage once); ``column`` picks which
+    time of each stage (``stage_achieved_s``, ``stage_offered_s``: see ``request_frame``)."""
     if len(frame) == 0:
         return math.nan
     keys = frame["stage_key"].to_numpy()
-    walls = frame["stage_wall_s"].to_numpy()
+    walls = frame[column].to_numpy()
     _, first = np.unique(keys, return_index=True)
     total = np.nansum(walls[first])
     return float(total) if total > 0 else math.nan
+
+
+def achieved_s(frame: pd.DataFrame) -> float:
+    """The achieved interval of the rows' stages (first send to last completion, summed)."""
+    return wall_s(frame, "stage_achieved_s")
+
+
+def started_s(frame: pd.DataFrame) -> float:
+    """First send to last first token of the rows' stages, summed (``request_frame``)."""
+    return wall_s(frame, "stage_started_s")
+
+
+def offered_s(frame: pd.DataFrame) -> float:
+    """The schedule windows of the rows' stages, summed (NaN for closed-loop stages only)."""
+    return wall_s(frame, "stage_offered_s")
 
 
 def concat(frames: list[pd.DataFrame]) -> pd.DataFrame:

@@ -31,7 +31,8 @@ from kvbench.core.errors import UserError
 from kvbench.reports import resampling as R
 # request_frame and NS_PER_MS are re-exported: the run summary, the gate and diagnosis build
 # and read frames through this module
-from kvbench.reports.frame import NS_PER_MS, itl_values, request_frame, wall_s  # noqa: F401
+from kvbench.reports.frame import (NS_PER_MS, achieved_s, itl_values,  # noqa: F401
+                                   offered_s, request_frame, started_s, wall_s)
 from kvbench.reports.resampling import CI, drop_nan, interval
 
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99, "p999": 0.999}
@@ -46,13 +47,32 @@ DEFINITIONS = {
     "E2E": "end to end: last byte of the response minus t_sent (successful requests).",
     "lateness": "client lateness: t_sent - t_scheduled, every request sent (the load "
                 "generator's own delay; never hidden).",
-    "throughput": "requests finished (succeeded or failed; not those cancelled at the stop) per "
-                  "second of load-stage wall time; input and output tokens/s count successful "
-                  "requests' server-reported usage.",
+    "throughput": "achieved throughput: requests finished (succeeded or failed; not those "
+                  "cancelled at the stop) per second of the achieved interval, from the stage's "
+                  "first send to its last completion, drain included (as vllm bench serve and "
+                  "GuideLLM measure it); input and output tokens/s count successful requests' "
+                  "server-reported usage over the same interval. Summed over stages, each "
+                  "stage's interval once.",
+    "offered": "offered rate: requests scheduled in the stage (every record, cancelled ones "
+               "included; arrivals dropped at max_in_flight are not records) / the schedule "
+               "window: the stage's duration_s for an open-loop rate, the stage start to the "
+               "last scheduled arrival for a trace replay; none for a closed loop (users).",
+    "started": "first tokens/s: successful requests per second from the stage's first send "
+               "to its last first token: the rate at which the endpoint started serving. A "
+               "long answer stretches the achieved interval (a 15 s answer in a 10 s stage) "
+               "but not this one; a queue before the prefill stretches both.",
+    "overloaded": "a stage is overloaded when both its achieved throughput and its first "
+                  "tokens/s are clearly below its offered rate: each more than 20% below, and "
+                  "the Poisson probability of so few requests at 80% of the offered rate over "
+                  "its interval under 1% (beyond arrival noise). Achieved alone below offered "
+                  "with first tokens on schedule is the drain of long answers, not overload. "
+                  "The same test on goodput (with first tokens/s) says the stage served fewer "
+                  "requests within SLO than it was offered.",
     "goodput": "requests that succeeded and met every SLO of their class (TTFT, TPOT, E2E), per "
-               "second of load-stage wall time; SLO attainment is their share of the requests "
+               "second of the achieved interval; SLO attainment is their share of the requests "
                "that finished: errors count as misses, requests cancelled at the stop are left "
-               "out.",
+               "out. A class without an SLO table shows \"no SLO\": its requests are in neither "
+               "(never met by default).",
     "hit ratio": "prefix-cache hit ratio: sum(cached_tokens) / sum(prompt_tokens) over "
                  "successful requests reporting cached_tokens; engine: increase of the "
                  "prefix-cache hit counter / increase of the query counter, as named by the "
@@ -68,7 +88,8 @@ DEFINITIONS = {
     "percentiles": "linear interpolation between order statistics (numpy's default); "
                    "confidence intervals by a seeded bootstrap over requests.",
     "wall time": "sum over the load stages in the rows of (t_end - t_start) from run.json; "
-                 "without it, last response end minus first scheduled send per stage.",
+                 "without it, last response end minus first scheduled send per stage (the "
+                 "cost per output token uses it; rates use the achieved interval).",
 }
 
 
@@ -241,13 +262,16 @@ def failed(frame: pd.DataFrame) -> np.ndarray:
 
 
 class Count(_Sum):
-    """Requests whose flag is set, per second of stage wall time (``per_second``) or as a
-    share of the requests ``over`` selects (default: all); binomial draws over those."""
+    """Requests whose flag is set, per second of the stages' achieved interval (``per_second``;
+    ``window`` picks another time of the stages) or as a share of the requests ``over``
+    selects (default: all); binomial draws over those."""
 
     def __init__(self, name: str, label: str, term: str, flag: Callable[[pd.DataFrame],
                  np.ndarray], per_second: bool, higher_is_better: bool,
-                 over: Callable[[pd.DataFrame], np.ndarray] | None = None):
+                 over: Callable[[pd.DataFrame], np.ndarray] | None = None,
+                 window: Callable[[pd.DataFrame], float] = achieved_s):
         super().__init__(name, label)
+        self.window = window
         self.term = term
         self.flag = flag
         self.over = over
@@ -263,7 +287,7 @@ class Count(_Sum):
 
     def value(self, frame):
         if self.per_second:
-            return _rate(int(np.asarray(self.flag(frame), bool).sum()), frame)
+            return _rate(int(np.asarray(self.flag(frame), bool).sum()), frame, self.window)
         flags = self._flags(frame)
         return float(flags.sum()) / len(flags) if len(flags) else math.nan
 
@@ -272,11 +296,11 @@ class Count(_Sum):
         if not len(flags):
             return _no_replicates(resamples)
         draws = R.count_replicates(flags, resamples, rng)
-        return draws / wall_s(frame) if self.per_second else draws / len(flags)
+        return draws / self.window(frame) if self.per_second else draws / len(flags)
 
 
 class TokenRate(_Sum):
-    """Server-reported tokens of successful requests per second of stage wall time."""
+    """Server-reported tokens of successful requests per second of the achieved interval."""
 
     unit = "tok/s"
     higher_is_better = True
@@ -294,7 +318,7 @@ class TokenRate(_Sum):
         ok = frame["ok"].to_numpy()
         per_row = np.where(ok, np.nan_to_num(frame[self.column].to_numpy()), 0.0)
         _, reps = R.mean_replicates(per_row, resamples, rng)
-        return reps * len(frame) / wall_s(frame)
+        return reps * len(frame) / achieved_s(frame)
 
 
 class PrefixHitRatio(_Sum):
@@ -320,8 +344,9 @@ class PrefixHitRatio(_Sum):
         return R.ratio_replicates(*self._tokens(frame), resamples, rng)[1]
 
 
-def _rate(count: float, frame: pd.DataFrame) -> float:
-    w = wall_s(frame)
+def _rate(count: float, frame: pd.DataFrame,
+          window: Callable[[pd.DataFrame], float] = achieved_s) -> float:
+    w = window(frame)
     return float(count) / w if w == w and w > 0 else math.nan
 
 
@@ -352,17 +377,46 @@ def _register_latencies() -> None:
 
 
 _register_latencies()
-register(Count("throughput_rps", "throughput", "throughput", finished,
+def with_slo(frame: pd.DataFrame) -> np.ndarray:
+    """Requests whose class has an SLO (``reports.frame.has_slo``)."""
+    return frame["has_slo"].to_numpy()
+
+
+def met_slo(frame: pd.DataFrame) -> np.ndarray:
+    """Requests that succeeded and met every SLO of a class that has one."""
+    return frame["slo_met"].to_numpy() & frame["has_slo"].to_numpy()
+
+
+def _goodput_over(frame: pd.DataFrame) -> np.ndarray:
+    return finished(frame) & with_slo(frame)
+
+
+class Goodput(Count):
+    """Requests within SLO per second; "no SLO" (NaN) when no request has a class with one."""
+
+    def value(self, frame):
+        return super().value(frame) if with_slo(frame).any() else math.nan
+
+    def replicates(self, frame, resamples, rng):
+        if not len(frame) or not with_slo(frame).any():
+            return math.nan, _no_replicates(resamples)
+        return super().replicates(frame, resamples, rng)
+
+
+register(Count("throughput_rps", "achieved throughput", "throughput", finished,
                per_second=True, higher_is_better=True, over=finished))
-register(Count("goodput_rps", "goodput at SLO", "goodput", lambda f: f["slo_met"].to_numpy(),
-               per_second=True, higher_is_better=True, over=finished))
+register(Count("offered_rps", "offered rate", "offered", lambda f: np.ones(len(f), bool),
+               per_second=True, higher_is_better=True, window=offered_s))
+register(Count("started_rps", "first tokens/s", "started", lambda f: f["ok"].to_numpy(),
+               per_second=True, higher_is_better=True, over=finished, window=started_s))
+register(Goodput("goodput_rps", "goodput at SLO", "goodput", met_slo,
+                 per_second=True, higher_is_better=True, over=_goodput_over))
 register(TokenRate("input_tps", "input tokens/s", "prompt_tokens"))
 register(TokenRate("output_tps", "output tokens/s", "completion_tokens"))
 register(Count("error_rate", "error rate", "error rate", failed,
                per_second=False, higher_is_better=False, over=finished))
-register(Count("slo_attainment", "SLO attainment", "goodput",
-               lambda f: f["slo_met"].to_numpy(), per_second=False, higher_is_better=True,
-               over=finished))
+register(Count("slo_attainment", "SLO attainment", "goodput", met_slo, per_second=False,
+               higher_is_better=True, over=_goodput_over))
 register(PrefixHitRatio("hit_ratio", "prefix hit ratio"))
 
 # name -> function(frame) -> float, for callers that only evaluate.
@@ -444,7 +498,8 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
 # group-bys
 
 # Columns the registry's metrics read (besides the group keys).
-METRIC_COLUMNS = ("ok", "cancelled", "slo_met", "stage_key", "stage_wall_s", "prompt_tokens",
+METRIC_COLUMNS = ("ok", "cancelled", "slo_met", "has_slo", "stage_key", "stage_wall_s",
+                  "stage_achieved_s", "stage_offered_s", "stage_started_s", "prompt_tokens",
                   "completion_tokens", "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
                   "lateness_ms", "itl_row")
 

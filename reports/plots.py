@@ -100,7 +100,11 @@ def load_curves(d: ReportData, stage_table: pd.DataFrame) -> list[Figure]:
                                   mode="lines+markers", name=f"{ep} goodput"))
         good.add_trace(go.Scatter(x=rows["offered"], y=rows["throughput_rps"],
                                   mode="lines+markers", line=dict(dash="dot"),
-                                  name=f"{ep} throughput"))
+                                  name=f"{ep} achieved throughput"))
+        if "offered_rps" in rows and rows["offered_rps"].notna().any():
+            good.add_trace(go.Scatter(x=rows["offered"], y=rows["offered_rps"],
+                                      mode="lines", line=dict(dash="dash", color="#9aa1ad"),
+                                      name=f"{ep} offered"))
     lat.update_xaxes(title_text=x_title)
     lat.update_yaxes(title_text="TTFT (ms)")
     good.update_xaxes(title_text=x_title)

@@ -23,18 +23,23 @@ from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
 from kvbench.reports.diagnose import Finding, diagnose
+from kvbench.reports import overload as O
 from kvbench.reports.frame import itl_values, wall_s
 from kvbench.reports.resampling import CI
 
-SUMMARY_METRICS = ("throughput_rps", "goodput_rps", "slo_attainment", "output_tps", "input_tps",
+SUMMARY_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
+                   "slo_attainment", "output_tps", "input_tps",
                    "ttft_p50", "ttft_p90", "ttft_p99", "ttft_p999", "ttft_mean", "tpot_p50",
                    "tpot_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "lateness_p99",
                    "error_rate", "hit_ratio")
 CI_METRICS = ("goodput_rps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p99",
               "e2e_p99", "error_rate", "hit_ratio")
 # ITL stays in the per-endpoint summary: pooling gaps per group costs a gather of millions.
-GROUP_METRICS = ("throughput_rps", "goodput_rps", "slo_attainment", "ttft_p50", "ttft_p99",
-                 "tpot_p50", "tpot_p99", "e2e_p99", "error_rate", "hit_ratio")
+GROUP_METRICS = ("offered_rps", "throughput_rps", "goodput_rps", "slo_attainment", "ttft_p50",
+                 "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p99", "error_rate", "hit_ratio")
+# Not computed for requests of classes without an SLO: shown as "no SLO", never 100%.
+SLO_METRICS = ("goodput_rps", "slo_attainment")
+NO_SLO = "no SLO"
 REPORT_RESAMPLES = 1000
 REPORT_SEED = 0
 
@@ -83,14 +88,17 @@ def _best(values: Sequence[float], higher: bool, unit: str = "") -> set[int]:
 
 
 def _row(label: str, unit: str, values: list[float], higher: bool | None,
-         cis: list[CI | None] | None = None, unit_fmt: str | None = None) -> dict:
+         cis: list[CI | None] | None = None, unit_fmt: str | None = None,
+         no_slo: Sequence[bool] | None = None) -> dict:
+    """``no_slo[i]``: column i has no request of a class with an SLO (shown "no SLO")."""
     best = _best(values, higher, unit_fmt or unit) if higher is not None else set()
     cells = []
     for i, v in enumerate(values):
         ci = ""
         if cis and cis[i] is not None and not math.isnan(cis[i].low):
             ci = f"[{fmt(cis[i].low, unit_fmt or unit)}, {fmt(cis[i].high, unit_fmt or unit)}]"
-        cells.append(Cell(fmt(v, unit_fmt or unit), v, i in best, ci))
+        text = NO_SLO if no_slo is not None and no_slo[i] else fmt(v, unit_fmt or unit)
+        cells.append(Cell(text, v, i in best, ci))
     shown_unit = "" if unit in ("count", "fraction") else unit
     return {"label": label, "unit": shown_unit, "cells": cells,
             "better": "" if higher is None else ("higher" if higher else "lower")}
@@ -131,11 +139,16 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     if any(o["cancelled"] for o in outcomes.values()):
         summary.append(_row("cancelled at the stop (not errors)", "count",
                             [outcomes[ep]["cancelled"] for ep in eps], None))
+    no_slo_ep = [not M.with_slo(per_ep[ep]).any() for ep in eps]
     for name in SUMMARY_METRICS:
         info = M.METRIC_INFO[name]
         summary.append(_row(info.label, info.unit, [values[ep][name] for ep in eps],
-                            info.higher_is_better,
-                            [cis[ep].get(name) for ep in eps] if name in CI_METRICS else None))
+                            None if name in ("offered_rps", "started_rps")
+                            else info.higher_is_better,
+                            [cis[ep].get(name) for ep in eps] if name in CI_METRICS else None,
+                            no_slo=no_slo_ep if name in SLO_METRICS else None))
+    stage_rates = O.rates(f)
+    summary.append(_overload_row(stage_rates, eps))
     if engine_hits:
         summary.append(_row("prefix hit ratio (engine counters)", "fraction",
                             [engine_hits.get(ep, math.nan) for ep in eps], True))
@@ -145,9 +158,10 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     summary.append(_row("stage wall time", "s", [walls[ep] for ep in eps], None))
 
     by_class = _group_tables(f, "request_class")
-    stage_table = _stage_table(d)
-    by_stage = _table_rows(stage_table, ["endpoint", "workload", "stage", "offered"]) \
-        if not stage_table.empty else []
+    stage_table = _stage_table(d, stage_rates)
+    by_stage = _table_rows(stage_table, ["endpoint", "workload", "stage", "load",
+                                         "overloaded"]) if not stage_table.empty else []
+    no_slo_classes = _no_slo_classes(f)
     # by topology alone, when endpoints share one (otherwise it repeats the summary)
     by_topology = (_table_rows(M.summarise(f, by=["topology"], metrics=GROUP_METRICS),
                                ["topology"], mark_within=None)
@@ -165,9 +179,12 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
 
     bake = {
         "by_goodput": sorted(({"endpoint": ep, "value": values[ep]["goodput_rps"],
-                               "text": fmt(values[ep]["goodput_rps"]),
-                               "slo": fmt(values[ep]["slo_attainment"], "fraction")}
-                              for ep in eps), key=lambda r: -_nz(r["value"])),
+                               "no_slo": no_slo,
+                               "text": NO_SLO if no_slo else fmt(values[ep]["goodput_rps"]),
+                               "slo": NO_SLO if no_slo else fmt(values[ep]["slo_attainment"],
+                                                                 "fraction")}
+                              for ep, no_slo in zip(eps, no_slo_ep)),
+                             key=lambda r: -_nz(r["value"])),
         "by_cost": sorted(({"endpoint": ep, "value": costs[ep], "text": fmt(costs[ep]),
                             "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
                             "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost")}
@@ -204,6 +221,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "findings": findings,
         "figures": figures,
         "slo": d.slo,
+        "no_slo_classes": no_slo_classes,
         "definitions": M.DEFINITIONS,
         "config_json": json.dumps(redact.public_config(d.runs[0].config if d.runs else {}),
                                   indent=2, sort_keys=True, default=str),
@@ -261,8 +279,47 @@ def _iso(ns) -> str:
 
 def _group_tables(f: pd.DataFrame, key: str,
                   metrics: Sequence[str] = GROUP_METRICS) -> list[dict]:
-    t = M.summarise(f, by=[key, "endpoint"], metrics=metrics)
+    t = _mark_no_slo(M.summarise(f, by=[key, "endpoint"], metrics=metrics), f, [key, "endpoint"])
     return _table_rows(t, [key, "endpoint"], mark_within=key)
+
+
+def _mark_no_slo(t: pd.DataFrame, f: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Column ``_no_slo``: the group has no request of a class with an SLO."""
+    if t.empty or not any(m in t.columns for m in SLO_METRICS):
+        return t
+    has = M.slim(f, keys).groupby(keys, observed=True, sort=True)["has_slo"].any()
+    t["_no_slo"] = [not bool(has.get(tuple(k) if len(k) > 1 else k[0], False))
+                    for k in t[keys].itertuples(index=False, name=None)]
+    return t
+
+
+def _no_slo_classes(f: pd.DataFrame) -> list[dict]:
+    """Classes without an SLO: not in goodput or SLO attainment (shown "no SLO")."""
+    lean = f[["request_class", "has_slo"]]
+    rows = lean[~lean["has_slo"].to_numpy()]
+    if not len(rows):
+        return []
+    counts = rows["request_class"].astype(object).fillna("(none)").astype(str).value_counts()
+    return [{"class": c, "requests": f"{int(n):,}"} for c, n in sorted(counts.items())]
+
+
+def _overload_row(rates: pd.DataFrame, eps: list[str]) -> dict:
+    """Per endpoint: its stages whose achieved throughput is clearly below offered."""
+    cells = []
+    for ep in eps:
+        r = rates[rates["endpoint"].astype(str) == ep]
+        judged = r[r["overloaded"].notna()]
+        over = judged[judged["overloaded"].astype(bool)]
+        if not len(judged):
+            text = "–"
+        elif not len(over):
+            text = f"none of {len(judged)}"
+        else:
+            text = f"{len(over)} of {len(judged)}: " + ", ".join(
+                f"{w} stage {s}" for w, s in zip(over["workload"], over["stage"]))
+        cells.append(Cell(text, float(len(over))))
+    return {"label": "overloaded stages (achieved and first tokens/s clearly below offered)",
+            "unit": "", "cells": cells, "better": "lower"}
 
 
 def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None) -> dict:
@@ -277,7 +334,9 @@ def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None
                     best.setdefault((grp.index[i],), set()).add(c)
     rows = []
     for idx, r in t.iterrows():
-        cells = [Cell(fmt(r[c], M.METRIC_INFO[c].unit), r[c], c in best.get((idx,), set()))
+        no_slo = bool(r.get("_no_slo", False))
+        cells = [Cell(NO_SLO if no_slo and c in SLO_METRICS else fmt(r[c], M.METRIC_INFO[c].unit),
+                      r[c], c in best.get((idx,), set()) and not (no_slo and c in SLO_METRICS))
                  for c in metric_cols]
         rows.append({"keys": [str(r[k]) if not (isinstance(r[k], float) and math.isnan(r[k]))
                               else "–" for k in keys],
@@ -286,28 +345,43 @@ def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None
             "rows": rows}
 
 
-def _stage_table(d: ReportData) -> pd.DataFrame:
+def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
+    """Per stage: its load (offered req/s, or users of a closed loop), offered rate, achieved
+    throughput and goodput (``reports.overload.rates``), the verdict and latencies."""
     f = d.frame
     t = M.summarise(f, by=["endpoint", "workload", "stage"],
-                    metrics=("throughput_rps", "goodput_rps", "ttft_p50", "ttft_p99",
-                             "tpot_p50", "e2e_p99", "error_rate"))
+                    metrics=("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
+                             "ttft_p50", "ttft_p99", "tpot_p50", "e2e_p99", "error_rate"))
     if t.empty:
         return t
-    offered, kind = [], set()
+    t = _mark_no_slo(t, f, ["endpoint", "workload", "stage"])
+    verdicts = {(str(r["endpoint"]), str(r["workload"]), int(r["stage"])): r["overloaded"]
+                for _, r in rates.iterrows()}
+    offered, load, kind, over = [], [], set(), []
     idx = {(str(s.get("endpoint")), str(s.get("workload")), int(s.get("index", -1))): s
            for s in d.stages}
     for _, r in t.iterrows():
-        s = idx.get((str(r["endpoint"]), str(r["workload"]), int(r["stage"])), {})
-        if s.get("rate_rps"):
-            offered.append(float(s["rate_rps"]))
+        k = (str(r["endpoint"]), str(r["workload"]), int(r["stage"]))
+        s = idx.get(k, {})
+        v = verdicts.get(k)
+        over.append("–" if v is None or v != v else ("yes" if v else "no"))
+        if r["offered_rps"] == r["offered_rps"]:
+            offered.append(float(r["offered_rps"]))
+            load.append(f"{s.get('pacing') or 'rate'} {fmt(s['rate_rps'])} req/s planned"
+                        if s.get("rate_rps") else f"{s.get('pacing') or 'scheduled'} replay"
+                        if s.get("pacing") == "trace" else "scheduled")
             kind.add("rate")
         elif s.get("users"):
             offered.append(float(s["users"]))
+            load.append(f"{int(s['users'])} users")
             kind.add("users")
         else:
             offered.append(float(r["throughput_rps"]))
+            load.append("–")
             kind.add("measured")
     t.insert(3, "offered", offered)
+    t.insert(4, "load", load)
+    t.insert(5, "overloaded", over)
     t.attrs["x_title"] = ("offered load (req/s)" if kind == {"rate"} else
                           "concurrent users" if kind == {"users"} else
                           "offered load (req/s, users, or measured req/s)")

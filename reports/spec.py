@@ -20,6 +20,15 @@ class SLO(_Strict):
     e2e_ms: float | None = Field(default=None, gt=0, le=_DAY_MS)
 
 
+# SLOs a class gets when bench.toml gives it none. Only the ``trace`` class (every trace reader's
+# requests: Mooncake, Azure, LMCache agent) has one: a replayed trace has no author who set an
+# SLO, and without one its goodput would be "no SLO". TTFT 5 s is the longctx class's (trace
+# prompts are long: Mooncake's conversation trace averages ~12k tokens, which one H200
+# prefills in about 0.3 s, so 5 s leaves room for batching, not for a queue of tens of
+# seconds); TPOT 100 ms is 10 tokens/s, about reading speed. A [slo.trace] table overrides it.
+DEFAULT_SLOS: dict[str, SLO] = {"trace": SLO(ttft_ms=5000.0, tpot_ms=100.0)}
+
+
 class GateRule(_Strict):
     metric: str  # a name of reports.metrics.METRIC_INFO: ttft_p99, goodput_rps, error_rate...
     request_class: str = Field(default="*", alias="class")

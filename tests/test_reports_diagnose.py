@@ -321,3 +321,20 @@ def test_loadgen_saturated_fires_on_client_lag(tmp_path):
 
 def test_loadgen_silent_when_on_time(tmp_path):
     assert rules(make(tmp_path, RunShape(lateness_ms=1)), "loadgen_saturated") == []
+
+
+def test_loadgen_not_blamed_for_lateness_spent_connecting_to_the_endpoint(tmp_path):
+    """Lateness that is the endpoint's connection setup (an overloaded server accepting
+    slowly) is not the load process's delay: the rule stays silent; the same lateness with
+    no connection setup in it fires."""
+    def connecting(t):  # every request's lateness was spent in connect()
+        late = (t.column("t_sent").to_numpy(zero_copy_only=False)
+                - t.column("t_scheduled").to_numpy(zero_copy_only=False))
+        return set_col(t, "connect_ns", late.astype(np.int64))
+
+    shape = RunShape(lateness_ms=120)
+    assert rules(make(tmp_path, shape, mutate=connecting, name="conn"),
+                 "loadgen_saturated") == []
+    (f,) = rules(make(tmp_path, shape, name="own"), "loadgen_saturated")
+    assert f.numbers["own_lateness_p99_ms"] > 50
+    assert "own delay" in " ".join(k for k, _ in f.evidence)

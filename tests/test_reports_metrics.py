@@ -79,12 +79,18 @@ def test_hand_computed_latencies(hand):
 
 def test_hand_computed_rates(hand):
     assert F.wall_s(hand) == pytest.approx(4.0)
-    assert M.statistic(hand, "throughput_rps") == pytest.approx(3 / 4)
-    assert M.statistic(hand, "goodput_rps") == pytest.approx(1 / 4)  # only the chat one met SLO
+    # achieved interval: first send (row 0 at 2 ms) to the last completion (the error's, sent
+    # at 2.004 s with no response; row 1 ended at 1.24 s)
+    a = 2.004 - 0.002
+    assert F.achieved_s(hand) == pytest.approx(a)
+    assert M.statistic(hand, "throughput_rps") == pytest.approx(3 / a)
+    assert M.statistic(hand, "goodput_rps") == pytest.approx(1 / a)  # only the chat one met SLO
     assert M.statistic(hand, "error_rate") == pytest.approx(1 / 3)
     assert M.statistic(hand, "slo_attainment") == pytest.approx(1 / 3)
-    assert M.statistic(hand, "output_tps") == pytest.approx(9 / 4)
-    assert M.statistic(hand, "input_tps") == pytest.approx(200 / 4)
+    assert M.statistic(hand, "output_tps") == pytest.approx(9 / a)
+    assert M.statistic(hand, "input_tps") == pytest.approx(200 / a)
+    # no stage record of pacing: offered over the scheduled span (0 .. 2 s)
+    assert M.statistic(hand, "offered_rps") == pytest.approx(3 / 2)
     assert M.statistic(hand, "hit_ratio") == pytest.approx(50 / 200)
     eb = M.error_breakdown(hand)
     assert dict(zip(eb["status"], eb["requests"])) == {"ok": 2, "http_error": 1}
@@ -182,9 +188,12 @@ def test_rates_properties(n, err, seed):
                                        requests_per_stage=n, max_chunks=5, seed=seed))
     f = M.request_frame(tab, stages=stages, slo={"chat": {"ttft_ms": 100}})
     good, thr = M.statistic(f, "goodput_rps"), M.statistic(f, "throughput_rps")
+    # goodput is "no SLO" (NaN) exactly when no request is of the one class with an SLO
+    assert math.isnan(good) == (not (f["request_class"] == "chat").any())
+    good = 0.0 if math.isnan(good) else good
     assert 0 <= good <= thr
     assert 0 <= M.statistic(f, "error_rate") <= 1
-    assert M.statistic(f, "goodput_rps") <= thr * (1 - M.statistic(f, "error_rate")) + 1e-9
+    assert good <= thr * (1 - M.statistic(f, "error_rate")) + 1e-9
     h = M.statistic(f, "hit_ratio")
     assert math.isnan(h) or 0 <= h <= 1
     # percentiles are monotone in q
@@ -209,7 +218,7 @@ def test_evaluate_agrees_with_statistic_and_bootstrap():
 def test_bootstrap_replicates_are_seeded_and_sized():
     tab, stages = synth_table(RunShape(endpoints=[EndpointShape("a", error_rate=0.1)],
                                        requests_per_stage=150))
-    f = M.request_frame(tab, stages=stages)
+    f = M.request_frame(tab, stages=stages, slo={"chat": {"ttft_ms": 100}})
     for name in ("ttft_p99", "itl_p50", "e2e_mean", "goodput_rps", "output_tps", "hit_ratio"):
         est, reps = M.bootstrap_replicates(f, name, 300, seed=5)
         est2, reps2 = M.bootstrap_replicates(f, name, 300, seed=5)

@@ -128,7 +128,8 @@ def test_default_output_and_slo_config(run_dir, tmp_path, capsys):
 
 def test_bake_off_of_two_runs_labels_repeated_names(tmp_path, capsys):
     dirs = []
-    for i, slow in enumerate((1.0, 1.5)):
+    # 5x slower latencies miss SLOs: a goodput gap beyond the runs' schedule noise
+    for i, slow in enumerate((1.0, 5.0)):
         shape = RunShape(endpoints=[EndpointShape("vendor", slowdown=slow)], seed=i)
         table, stages = synth_table(shape, run_id=f"night-{i}")
         dirs.append(write_run(tmp_path / f"night-{i}", table,

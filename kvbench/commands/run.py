@@ -51,6 +51,7 @@ def add_parser(p) -> None:
 
 def run(args) -> int:
     from kvbench.config import load_config
+    from kvbench.config.parse import classes_without_slo
     from kvbench.core import store
     from kvbench.runs import builtin, finalize, locust, matrix, preflight, telemetry
     from kvbench.workloads.registry import make_workload
@@ -63,6 +64,11 @@ def run(args) -> int:
         raise UserError("--duration-scale must be positive, e.g. 0.5")
     sel = matrix.select(cfg, endpoints=args.endpoint, workloads=args.workload,
                         profile=args.profile, where=str(cfg_path))
+    no_slo = classes_without_slo(cfg, sel.workloads)
+    if no_slo:
+        print(f"kvbench: warning: no SLO for request class(es) {', '.join(no_slo)} in "
+              f"{cfg_path}: reports show their goodput and SLO attainment as \"no SLO\"; add "
+              f"[slo.<class>] tables (ttft_ms, tpot_ms, e2e_ms) to judge them", flush=True)
     results_dir = Path(args.results_dir or cfg.suite.results_dir)
     run_id = args.run_id or store.new_run_id(cfg.suite.name)
     run_dir = results_dir / run_id

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from kvbench.config.bench import BenchConfig
 from kvbench.config.endpoints import ENDPOINT_KINDS
 from kvbench.core.errors import UserError
+from kvbench.reports.spec import DEFAULT_SLOS
 from kvbench.workloads import registry
 from kvbench.workloads.specs import NAME_PATTERN
 
@@ -92,7 +93,37 @@ def parse_config(data: dict, path: Path | str = "bench.toml") -> BenchConfig:
     except ValidationError as err:
         raise UserError(one_sentence(path, err)) from None
     _cross_checks(cfg, path)
-    return cfg
+    return _with_default_slos(cfg)
+
+
+def _with_default_slos(cfg: BenchConfig) -> BenchConfig:
+    """The config with ``reports.spec.DEFAULT_SLOS`` for configured classes without an
+    [slo.<class>] table (the ``trace`` class: 5 s TTFT, 100 ms TPOT)."""
+    classes = _request_classes(cfg)
+    add = {c: s for c, s in DEFAULT_SLOS.items() if c in classes and c not in cfg.slo}
+    return cfg.model_copy(update={"slo": {**cfg.slo, **add}}) if add else cfg
+
+
+def workload_classes(cfg: BenchConfig, name: str) -> set[str]:
+    """The request classes workload ``name`` sends (a mix: its parts')."""
+    spec = cfg.workloads[name]
+    cls = registry.kind_of(spec).request_class
+    if cls != "mix":
+        return {cls}
+    out: set[str] = set()
+    for part in getattr(spec, "parts", lambda: [])():
+        if part in cfg.workloads and part != name:
+            out |= workload_classes(cfg, part)
+    return out
+
+
+def classes_without_slo(cfg: BenchConfig, workloads=None) -> list[str]:
+    """Request classes of ``workloads`` (default: all configured) with no SLO: their goodput
+    and SLO attainment are "no SLO" in reports."""
+    names = list(workloads) if workloads is not None else list(cfg.workloads)
+    classes = set().union(*(workload_classes(cfg, n) for n in names)) if names else set()
+    return sorted(c for c in classes if c not in cfg.slo
+                  or all(getattr(cfg.slo[c], k) is None for k in ("ttft_ms", "tpot_ms", "e2e_ms")))
 
 
 def load_config(path: Path | str = "bench.toml") -> BenchConfig:
