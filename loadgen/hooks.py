@@ -102,13 +102,16 @@ def _note_signals(environment) -> None:
     def note(name: str) -> None:
         environment.__dict__.setdefault("kvbench_signal", name)
 
-    prev = signal.getsignal(signal.SIGINT)
-    if callable(prev):
-        def on_sigint(signum, frame):
-            note("SIGINT")
-            return prev(signum, frame)
+    # Ctrl-C takes Locust's SIGTERM path (a graceful shutdown from its own greenlet) instead of
+    # a KeyboardInterrupt raised in whichever greenlet runs: Locust swallows one that lands
+    # while users are spawning (its runner quits, the main greenlet does not) and the run went
+    # on to its --run-time, seen on a loaded host. A second Ctrl-C is a KeyboardInterrupt again.
+    def on_sigint() -> None:
+        note("SIGINT")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.kill(os.getpid(), signal.SIGTERM)
 
-        signal.signal(signal.SIGINT, on_sigint)
+    gevent.signal_handler(signal.SIGINT, on_sigint)
     gevent.signal_handler(signal.SIGTERM, note, "SIGTERM")
 
     def on_sighup() -> None:
