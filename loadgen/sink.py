@@ -80,10 +80,11 @@ class RecordSink:
             starts, self._starts = self._starts, [[] for _ in START_COLUMNS]
         return cols, starts
 
-    def _snapshot(self, closed: bool) -> dict:
-        """The sidecar as of now (copied: the thread pool writes it while the loop goes on)."""
+    def _snapshot(self, closed: bool, started: int | None = None) -> dict:
+        """The sidecar as of now (copied: the thread pool writes it while the loop goes on);
+        ``started``: the count as of the swap whose rows this sidecar goes with."""
         meta = copy.deepcopy(self.meta)
-        meta["counts"]["requests_started"] = self.started
+        meta["counts"]["requests_started"] = self.started if started is None else started
         meta.update(worker=worker_name(), host=socket.gethostname(), closed=closed,
                     updated_ns=time.time_ns())
         return meta
@@ -116,9 +117,10 @@ class RecordSink:
         if self.closed:
             return
         cols, starts = self._swap()
+        started = self.started  # as of the swap: requests begun while we wait are not in it
         if self._pending is not None:
             self._pending.get()  # keep batches in order
-        meta = self._snapshot(closed=False)
+        meta = self._snapshot(closed=False, started=started)
         if self.use_threadpool:
             import gevent
 
