@@ -137,7 +137,9 @@ def test_achieved_matches_the_servers_own_completion_rate(overloaded):
 
 
 def test_overload_rule_fires_and_the_lateness_rule_does_not(overloaded):
-    run_dir, _ = overloaded
+    run_dir, stdout = overloaded
+    # kvbench run's own summary says so at the end of the run
+    assert "kvbench run: OVERLOADED: colo x " in stdout, stdout
     d = load([run_dir])
     rates = O.rates(d.frame)
     assert list(rates["overloaded"]) == [True]

@@ -187,4 +187,17 @@ def _summary(run_dir: Path, meta) -> None:
     print(f"kvbench run: {counts['records_written']} records of {counts['requests_started']} "
           f"requests started, {total_cancelled} cancelled at the stop (not errors), "
           f"{counts['dropped_at_cap']} dropped at the in-flight cap; results in {run_dir}")
+    _overloaded(frame)
     print(f"next: kvbench report {run_dir} -o report.html")
+
+
+def _overloaded(frame) -> None:
+    """One line per stage the endpoint could not keep up with (the reports' verdict:
+    achieved throughput and first tokens/s both clearly below the offered rate)."""
+    from kvbench.reports import overload
+
+    rates = overload.rates(frame)
+    for _, r in rates[rates["overloaded"].fillna(False).astype(bool)].iterrows():
+        print(f"kvbench run: OVERLOADED: {r['endpoint']} x {r['workload']} stage {r['stage']}: "
+              f"offered {r['offered_rps']:.2f} req/s, achieved {r['throughput_rps']:.2f} req/s "
+              f"(first tokens {r['started_rps']:.2f}/s); the report's diagnosis says why")
