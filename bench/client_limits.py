@@ -9,7 +9,13 @@ memory held while a server sends an endless header block.
    ``--flood-s`` seconds; prints the client's status, error and its RSS growth (the client
    should give up at its header limit, not buffer until the deadline).
 
-Run: ``python bench/client_limits.py [--read-bytes 16384] [--parser FILE] [--flood-s 3]``.
+3. ``--locust``: the path users run, end to end: ``locust -f loadgen/longctx.py`` headless
+   against a local server whose every answer is one chat delta of ``--locust-mib`` MiB (a 10 MiB
+   line, under the 16 MiB limit, and a 40 MiB one, over it); prints each request's status,
+   E2E and error from the records, and the load process's CPU seconds.
+
+Run: ``python bench/client_limits.py [--read-bytes 16384] [--parser FILE] [--flood-s 3]
+[--locust]``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,71 @@ try:
 except OSError:
     pass
 """
+
+
+BIG_LINE_SERVER = r"""
+import socket, sys, threading
+mib = int(sys.argv[1])
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 0)); s.listen(16)
+print(s.getsockname()[1], flush=True)
+chunk = (b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * (mib << 20)
+         + b'"}}]}\n\ndata: [DONE]\n\n')
+def serve(c):
+    try:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += c.recv(65536)
+        head, _, body = buf.partition(b"\r\n\r\n")
+        n = int([ln.split(b":")[1] for ln in head.split(b"\r\n")
+                 if ln.lower().startswith(b"content-length")][0])
+        while len(body) < n:
+            body += c.recv(65536)
+        c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                  b"connection: close\r\n\r\n" + chunk)
+    except OSError:
+        pass
+    finally:
+        c.close()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def locust_big_line(mib: int) -> None:
+    """``locust -f loadgen/longctx.py`` against answers of one ``mib`` MiB SSE line."""
+    import os
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    srv = subprocess.Popen([sys.executable, "-c", BIG_LINE_SERVER, str(mib)],
+                           stdout=subprocess.PIPE, text=True)
+    port = int(srv.stdout.readline())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            p = subprocess.run(
+                [sys.executable, "-m", "locust", "-f", "loadgen/longctx.py", "--headless",
+                 "--host", f"http://127.0.0.1:{port}", "-u", "1", "-r", "1", "-t", "8s",
+                 "--only-summary", "--kvbench-results", tmp, "--kvbench-run-id", "big",
+                 "--kvbench-model", "m", "--kvbench-pacing", "constant", "--kvbench-rates",
+                 "0.5", "--kvbench-stage-duration", "6", "--kvbench-tokenizer-check", "off"],
+                cwd=root, capture_output=True, text=True, timeout=300)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+            t = pq.read_table(os.path.join(tmp, "big", "requests.parquet")).to_pylist()
+    finally:
+        srv.kill()
+        srv.wait()
+    statuses = sorted({r["status"] for r in t})
+    e2e = sorted((r["e2e_ns"] or 0) / 1e6 for r in t)
+    err = next((r["error"] for r in t if r["error"]), None)
+    print(f"locust -f loadgen/longctx.py, answers of one {mib} MiB line: {len(t)} requests "
+          f"{statuses}, E2E ms {[round(x) for x in e2e]}, load process {cpu:.1f} s CPU for "
+          f"the whole run (rc {p.returncode}); error: {err}")
 
 
 def load_parser(path: str | None):
@@ -99,6 +170,8 @@ def main(argv=None) -> None:
     ap.add_argument("--parser", default=None, help="time this sse.py instead of kvbench's")
     ap.add_argument("--flood-s", type=float, default=3.0)
     ap.add_argument("--skip-flood", action="store_true")
+    ap.add_argument("--locust", action="store_true",
+                    help="also run locust -f loadgen/longctx.py against 10 and 40 MiB lines")
     a = ap.parse_args(argv)
     cls, kw = load_parser(a.parser)
     small = parse_cpu_s(cls, kw, 10, a.read_bytes)
@@ -108,6 +181,9 @@ def main(argv=None) -> None:
           f"{big / max(small, 1e-9):.1f}x (linear 4x, quadratic 16x)")
     if not a.skip_flood:
         header_flood(a.flood_s)
+    if a.locust:
+        for mib in (10, 40):
+            locust_big_line(mib)
 
 
 if __name__ == "__main__":
