@@ -9,6 +9,7 @@ OpenAI-style error JSON.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import orjson
 from aiohttp import web
@@ -24,6 +25,8 @@ from kvbench.endpoints.protocol import (
 from kvbench.endpoints.router import RoutingError
 from kvbench.endpoints.seq import Seq, wait
 from kvbench.endpoints.stream import stream_reply
+
+_RID_OK = re.compile(r"[A-Za-z0-9._:#@/+=-]+")
 
 CLUSTER_KEY = web.AppKey("cluster", Cluster)
 STATE_KEY = web.AppKey("state", State)
@@ -64,7 +67,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return error_response(faults.error, f"injected fault: HTTP {faults.error}",
                               "InternalServerError" if faults.error >= 500 else
                               "BadRequestError")
-    seq = Seq(st.next_id(), n_prompt, block_hashes(tokens, cfg.block_tokens), max_tokens,
+    seq = Seq(_request_id(request) or st.next_id(), n_prompt, block_hashes(tokens, cfg.block_tokens), max_tokens,
               t_arrival)
     del tokens
     try:
@@ -92,6 +95,15 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         if not seq.finished:
             seq.cancelled = True
+
+
+def _request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id, used as the request's id when it is a plain token (as vLLM
+    does), so the answer's ``x-request-id`` and ids join the client's records."""
+    rid = request.headers.get("x-request-id")
+    if rid and len(rid) <= 128 and _RID_OK.fullmatch(rid):
+        return rid
+    return None
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:

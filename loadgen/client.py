@@ -216,7 +216,8 @@ class Result:
                  "status", "http_status", "error", "prompt_tokens", "completion_tokens",
                  "completion_tokens_client", "cached_tokens", "text", "server_queue_ns",
                  "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-                 "server_replica", "server_region", "retry_after_s", "resent")
+                 "server_replica", "server_region", "retry_after_s", "server_request_id",
+                 "resent")
 
     def __init__(self) -> None:
         self.t_sent_ns = 0
@@ -241,6 +242,7 @@ class Result:
         self.server_replica = None
         self.retry_after_s = None
         self.server_region = None
+        self.server_request_id = None  # the server's X-Request-Id answer
         self.resent = False  # sent again on a fresh connection after a stale pooled one
 
 
@@ -341,7 +343,8 @@ class StreamingClient:
                            "User-Agent: kvbench-loadgen\r\n" + extra)
 
     def post_stream(self, path: str, body: bytes, *, keep_text: bool = False,
-                    headers: dict[str, str] | None = None, res: Result | None = None) -> Result:
+                    headers: dict[str, str] | None = None, res: Result | None = None,
+                    request_id: str | None = None) -> Result:
         """POST ``body`` to ``path`` and read the SSE response to its end (or failure).
 
         Never raises for request failures (they become the result's status); re-raises
@@ -350,6 +353,10 @@ class StreamingClient:
         """
         res = Result() if res is None else res
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+        # so records join the server's logs (vLLM uses it as its own id); an id that cannot
+        # be a header value (from a trace file: control characters, non-ASCII) is not sent
+        if request_id is not None and request_id.isascii() and request_id.isprintable():
+            extra += f"X-Request-Id: {request_id}\r\n"
         head = (f"POST {self.pool.target.base_path}{path} HTTP/1.1\r\n{self._head_tail}{extra}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
         payload = head + body
@@ -481,6 +488,8 @@ class StreamingClient:
             res.server_replica = headers[b"x-kvbench-replica"].decode("latin-1")
         if b"x-kvbench-region" in headers:
             res.server_region = headers[b"x-kvbench-region"].decode("latin-1")
+        if b"x-request-id" in headers:
+            res.server_request_id = headers[b"x-request-id"][:256].decode("latin-1")
         if b"retry-after" in headers:
             res.retry_after_s = retry_after_s(headers[b"retry-after"])
 

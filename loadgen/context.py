@@ -35,7 +35,7 @@ _ROW = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", 
         "cached_tokens", "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "chunk_offsets_ns",
         "chunk_tokens", "e2e_ns", "status", "http_status", "error", "server_queue_ns",
         "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-        "server_replica", "server_region", "retry_after_s")
+        "server_replica", "server_region", "retry_after_s", "server_request_id")
 assert _ROW == COLUMNS, "loadgen row order must follow kvbench.schema.REQUESTS"
 _START = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", "request_id",
           "session_id", "turn", "worker", "prompt_tokens_client", "shared_prefix_tokens",
@@ -137,7 +137,8 @@ class LoadContext:
             req.shared_prefix_tokens, req.max_tokens,
             t_scheduled_ns if t_scheduled_ns is not None else now, now))
         try:
-            client.post_stream(request_path(req), body, keep_text=keep_text, res=res)
+            client.post_stream(request_path(req), body, keep_text=keep_text, res=res,
+                               request_id=req.request_id)
         finally:
             if res.t_sent_ns == 0:
                 res.t_sent_ns = time.time_ns()
@@ -161,7 +162,7 @@ class LoadContext:
             res.connect_ns, res.ttft_ns, res.offsets_ns, res.tokens, res.e2e_ns, res.status,
             res.http_status, redact.redact(res.error), res.server_queue_ns, res.server_prefill_ns,
             res.server_kv_transfer_ns, res.server_first_decode_ns, res.server_replica,
-            res.server_region, res.retry_after_s))
+            res.server_region, res.retry_after_s, res.server_request_id))
 
     def report(self, req, res: Result) -> None:
         """Locust's live stats: one event per metric per request (never per token)."""

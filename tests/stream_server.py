@@ -168,7 +168,8 @@ class Server:
         head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                 b"transfer-encoding: chunked\r\nx-kvbench-queue-ms: 1.5\r\n"
                 b"x-kvbench-prefill-ms: %.3f\r\nx-kvbench-replica: r0\r\n"
-                b"x-kvbench-region: test\r\n\r\n" % (self.ttft_s * 1000))
+                b"x-kvbench-region: test\r\nx-request-id: %s\r\n\r\n"
+                % (self.ttft_s * 1000, s.rid.encode("latin-1")))
         pre = b""
         if s.chat and self.style == "vllm":
             pre = _chunk(b"data: " + orjson.dumps(

@@ -113,6 +113,11 @@ def check_run(run_dir: Path, *, want_ok: bool = True):
     assert meta["endpoints"][0]["topology"] == "colocated"
     assert meta["stages"] and meta["stages"][0]["t_end_ns"] > meta["stages"][0]["t_start_ns"]
     status = t.column("status").to_pylist()
+    # every request carried its record's id as X-Request-Id and the server answered with it
+    ok_ids = [(r, s) for r, s, st in zip(t.column("request_id").to_pylist(),
+                                        t.column("server_request_id").to_pylist(), status)
+              if st == "ok"]
+    assert all(r == s for r, s in ok_ids), ok_ids[:3]
     if want_ok:
         assert status.count("ok") >= 0.8 * len(status), status
     assert set(status) <= {"ok", "cancelled"}

@@ -63,6 +63,9 @@ REQUESTS = pa.schema([
     ("server_replica", pa.string()),
     ("server_region", pa.string()),
     ("retry_after_s", pa.float64()),  # the server's Retry-After (seconds), when it sent one
+    # the request id the server answered with (X-Request-Id); the client sends the record's
+    # request_id as X-Request-Id, so records join the server's logs and traces
+    ("server_request_id", pa.string()),
 ])
 
 GPU = pa.schema([
