@@ -4,6 +4,7 @@ users, hooks and the dispatcher work on any ``Environment``, in process or not."
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -19,9 +20,11 @@ from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.core.store import START_COLUMNS, worker_name
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
+from kvbench.loadgen.looplag import LoopLag
 from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
-from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, cycle_requests, shard
+from kvbench.loadgen.pacing import (OpenLoopDispatcher, StagePlan, cycle_requests, shard,
+                                    share_of)
 from kvbench.loadgen.sink import COLUMNS, RecordSink
 from kvbench.loadgen.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
@@ -63,8 +66,8 @@ class LoadContext:
         self.workload = workload if workload is not None else job.build_workload(self.tokenizer)
         self.workload_name = getattr(self.workload, "name", job.workload)
         self.pacing = job.pacing
-        self.stages = [StagePlan(s.index, s.duration_s, s.rate_rps, s.users)
-                       for s in job.stages]
+        self.stages = [StagePlan(s.index, s.duration_s, s.rate_rps, s.users,
+                                 getattr(s, "requests", None)) for s in job.stages]
         self.stage_index = job.stage_index
         self.cv = job.gamma_cv
         self.max_in_flight = job.max_in_flight
@@ -75,6 +78,7 @@ class LoadContext:
         self.run_dir = job.run_dir
         self.sink = RecordSink(self.run_dir)
         self.sink.start()
+        self.looplag = LoopLag().start()  # the largest event-loop pause per stage, in run.json
         self.stopping = gevent.event.Event()  # set when the stage ends: start nothing new
         self.dispatched = gevent.event.Event()  # open loop: the dispatcher is done
         self.interrupted: str | None = None  # set by the quitting hook: which signal
@@ -89,6 +93,10 @@ class LoadContext:
         self.index = runner.worker_index if isinstance(runner, WorkerRunner) else 0
         self.count = max(1, workers) if isinstance(runner, WorkerRunner) else 1
         self.index = max(0, self.index) % self.count
+        # this process's share of the stages' and the run's request counts (None: no limit)
+        self.stages = [replace(s, requests=share_of(s.requests, self.index, self.count))
+                       for s in self.stages]
+        self.max_requests = share_of(job.max_requests, self.index, self.count)
         self._sessions = self._session_iter()
         self.dispatcher: OpenLoopDispatcher | None = None
         self.t_start_ns = time.time_ns()
@@ -97,6 +105,9 @@ class LoadContext:
             planned = self.stages[i] if i < len(self.stages) else StagePlan(i, 0.0)
             users = planned.users or getattr(environment.parsed_options, "num_users", None)
             self.open_stage(StagePlan(i, planned.duration_s, None, users), self.t_start_ns)
+            limits = [n for n in (planned.requests, self.max_requests) if n is not None]
+            self._left = min(limits) if limits else None  # closed loop: requests still to send
+        settle_heap()
 
     @property
     def drain_s(self) -> float:
@@ -114,6 +125,21 @@ class LoadContext:
                 yield s if n == 0 else _Renamed(s, n)
             if empty:
                 return
+
+    def claim(self) -> bool:
+        """Closed loop: may a user send one more request? False once this process's share
+        of the stage's ``requests`` or of ``--kvbench-requests`` was sent; the last claim ends
+        the stage (nothing new starts, what is in flight finishes) and with it the run."""
+        left = getattr(self, "_left", None)
+        if left is None:
+            return True
+        if left <= 0:
+            return False
+        self._left = left - 1
+        if self._left == 0:
+            self.stop_starting()
+            quit_soon(self.environment)
+        return True
 
     def next_session(self):
         return next(self._sessions, None)
@@ -211,6 +237,7 @@ class LoadContext:
         self.dispatcher = d = OpenLoopDispatcher(
             send, requests, stages, pacing=self.pacing, cv=self.cv,
             max_in_flight=self.max_in_flight, seed=seed, share=1.0 / self.count,
+            max_requests=self.max_requests,
             on_stage=on_stage, on_stage_start=self.open_stage)
         if self.stopping.is_set():
             d.stop()
@@ -233,14 +260,22 @@ class LoadContext:
             "endpoint": self.endpoint, "workload": self.workload_name,
             "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
             "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
-            "t_start_ns": t0_ns, "t_end_ns": None}
+            "t_start_ns": t0_ns, "t_end_ns": None, **self._planned_count(st)}
+        self.looplag.reset()
+
+    def _planned_count(self, st: StagePlan) -> dict:
+        """The stage's request count as configured (all processes), when it has one."""
+        planned = next((s for s in self.job.stages if s.index == st.index), None)
+        n = getattr(planned, "requests", None)
+        return {"requests": n} if n is not None else {}
 
     def add_stage(self, st: StagePlan, t0_ns: int, t1_ns: int, cut: bool = False) -> None:
         stage = {
             "endpoint": self.endpoint, "workload": self.workload_name,
             "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
             "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
-            "t_start_ns": t0_ns, "t_end_ns": t1_ns}
+            "t_start_ns": t0_ns, "t_end_ns": t1_ns, **self._planned_count(st),
+            **self.looplag.take()}
         if cut:
             stage.update(planned_duration_s=st.duration_s, partial=True,
                          duration_s=(t1_ns - t0_ns) / 1e9)
@@ -288,6 +323,15 @@ class LoadContext:
         if self.interrupted:
             self.sink.meta["interrupted"] = self.interrupted
         self.sink.close()
+
+
+def settle_heap() -> None:
+    """Collect once, then move every object alive now (workload, tokenizer, modules, Locust)
+    to the collector's permanent generation: a full collection during load then walks only
+    what the load itself made. Without it a full collection walked the whole heap in the
+    middle of a stage (84-127 ms, every stream read late together; issue 13)."""
+    gc.collect()
+    gc.freeze()
 
 
 class _Renamed:

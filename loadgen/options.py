@@ -45,6 +45,9 @@ def add_arguments(parser) -> None:
                    help="open-loop rates in requests/s, one per stage: 2,6,10")
     g.add_argument("--kvbench-stage-duration", env_var="KVBENCH_STAGE_DURATION", default="",
                    help="seconds per stage (one value, or one per stage)")
+    g.add_argument("--kvbench-requests", env_var="KVBENCH_REQUESTS", type=int, default=0,
+                   help="end the run after this many requests were sent (all processes "
+                        "together; in flight ones finish): a run of exactly N requests")
     g.add_argument("--kvbench-gamma-cv", env_var="KVBENCH_GAMMA_CV", type=float, default=0.0,
                    help="coefficient of variation of gamma gaps (burstiness)")
     g.add_argument("--kvbench-max-in-flight", env_var="KVBENCH_MAX_IN_FLIGHT", type=int,
@@ -91,6 +94,13 @@ def _stages(o) -> list[JobStage] | None:
             for i in range(n)]
 
 
+def _count(n: int) -> int | None:
+    if n < 0:
+        raise UserError(f"--kvbench-requests {n}: give a positive count of requests (0: no "
+                        "limit)")
+    return n or None
+
+
 def _config(o):
     if not o.kvbench_config:
         return None
@@ -127,5 +137,6 @@ def job_from_options(o, host: str | None, default_workload: str, *,
         gamma_cv=o.kvbench_gamma_cv or None, max_in_flight=o.kvbench_max_in_flight or None,
         timeout_s=o.kvbench_timeout or None, cold_connections=o.kvbench_cold_connections,
         ignore_eos=o.kvbench_ignore_eos, run_id=o.kvbench_run_id,
+        max_requests=_count(o.kvbench_requests),
         results_dir=o.kvbench_results, lookup_model=lookup_model,
         where=o.kvbench_config or "the config")

@@ -25,6 +25,15 @@ class StagePlan:
     duration_s: float
     rate_rps: float | None = None  # open loop, for the whole run (all processes)
     users: int | None = None  # closed loop
+    requests: int | None = None  # ends after this many sent (this process's share)
+
+
+def share_of(n: int | None, index: int, count: int) -> int | None:
+    """Process ``index``'s part of ``n`` requests split over ``count`` processes (the parts
+    add up to ``n``)."""
+    if n is None:
+        return None
+    return n // count + (1 if index < n % count else 0)
 
 
 def gaps_s(pacing: str, rate_rps: float, rng: np.random.Generator, cv: float = 2.0,
@@ -71,13 +80,15 @@ class OpenLoopDispatcher:
 
     ``share`` is this process's fraction of the configured rate (1/processes). Arrivals that
     find ``max_in_flight`` requests running are dropped and counted in ``dropped_at_cap``.
+    A stage's ``requests`` (this process's share) ends it once that many were sent;
+    ``max_requests`` ends the whole run so (``limit_reached`` then says which).
     ``on_stage_start(stage, t_start)`` and ``on_stage(stage, t_start, t_end)`` (epoch ns) mark
     each stage; ``stop`` ends the arrivals at once (the stage so far is reported, cut).
     """
 
     def __init__(self, send: Callable, requests: Iterator, stages: list[StagePlan], *,
                  pacing: str = "poisson", cv: float = 2.0, max_in_flight: int = 512,
-                 seed: int = 0, share: float = 1.0,
+                 seed: int = 0, share: float = 1.0, max_requests: int | None = None,
                  on_stage: Callable[[StagePlan, int, int], None] | None = None,
                  on_stage_start: Callable[[StagePlan, int], None] | None = None) -> None:
         self.send = send
@@ -96,6 +107,8 @@ class OpenLoopDispatcher:
         self.started = 0
         self.lag_ns: list[int] = []  # start lateness of each launched arrival
         self.exhausted = False
+        self.max_requests = max_requests
+        self.limit_reached: str | None = None  # "stage" or "run": a request count ended it
         self.group = None  # gevent Group of the requests in flight
 
     def stop(self) -> None:
@@ -130,7 +143,10 @@ class OpenLoopDispatcher:
             else:
                 rate = (st.rate_rps or 0) * self.share
                 arrivals = self._rate_times(rate, t_start, t_end)
+            in_stage = 0
             for t_sched, req in arrivals:
+                if self._counted(st, in_stage):  # a share of 0 (more processes than requests)
+                    break
                 delay = (t_sched - mono()) / 1e9
                 if delay > 0 and stopped.wait(delay):
                     break
@@ -147,17 +163,29 @@ class OpenLoopDispatcher:
                 self.lag_ns.append(mono() - t_sched)
                 self.in_flight += 1
                 self.started += 1
+                in_stage += 1
                 group.spawn(self._one, req, t_sched + offset, st.index)
+                if self._counted(st, in_stage):  # the stage (or run) ends with this send
+                    break
             now = mono()
-            if now < t_end and not self.exhausted:
+            counted = self.limit_reached is not None
+            if now < t_end and not self.exhausted and not counted:
                 stopped.wait((t_end - now) / 1e9)
-            t = max(t_end, mono()) if self.pacing != "trace" else mono()
+            t = mono() if counted or self.pacing == "trace" else max(t_end, mono())
             if stopped.is_set():
                 t = mono()  # cut: the stage ran until now
             if self.on_stage is not None:
                 self.on_stage(st, t_start + offset, t + offset)
-            if self.exhausted:
+            if self.exhausted or self.limit_reached == "run":
                 break
+            self.limit_reached = None if self.limit_reached == "stage" else self.limit_reached
+
+    def _counted(self, st: StagePlan, in_stage: int) -> bool:
+        if self.max_requests is not None and self.started >= self.max_requests:
+            self.limit_reached = "run"
+        elif st.requests is not None and in_stage >= st.requests:
+            self.limit_reached = "stage"
+        return self.limit_reached is not None
 
     def _rate_times(self, rate: float, t_start: int, t_end: int) -> Iterator[int]:
         if rate <= 0:

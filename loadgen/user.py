@@ -29,8 +29,11 @@ class KVBenchUser(User):
         try:
             self.ctx = get_context(self.environment, type(self))
         except UserError as exc:
+            # reported once, in one sentence; the user stops in its task (a StopUser raised
+            # here would print Locust's traceback of on_start)
             fail(self.environment, exc)
-            raise StopUser() from None
+            self.ctx = None
+            return
         self.stage = self.ctx.stage_index
         if self.ctx.pacing == "closed":
             self.llm = self.ctx.new_client()
@@ -40,7 +43,7 @@ class KVBenchUser(User):
     @task
     def drive(self) -> None:
         ctx = self.ctx
-        if ctx.stopping.is_set():  # the stage is over: in flight ones drain, nothing new
+        if ctx is None or ctx.stopping.is_set():  # the stage is over: in flight ones drain, nothing new
             raise StopUser()
         if ctx.pacing != "closed":
             if ctx.dispatcher is None:
@@ -60,6 +63,8 @@ class KVBenchUser(User):
             if req is None:
                 return
             if req.think_time_s > 0 and req.turn > 0 and ctx.stopping.wait(req.think_time_s):
+                return
+            if not ctx.claim():  # the stage's (or run's) request count was sent
                 return
             res = ctx.send(self.llm, req, None, self.stage, keep_text=True)
             if res.status != "ok":

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvbench.workloads.specs import MAX_SECONDS, Strict
+from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, Strict
 
 
 class Stage(Strict):
@@ -15,6 +15,9 @@ class Stage(Strict):
     rate_rps: float | None = Field(default=None, gt=0, le=1e6)
     # closed loop; 100,000 users is already a large distributed Locust swarm
     users: int | None = Field(default=None, gt=0, le=100_000)
+    # the stage ends once this many requests were sent (all processes together), or at
+    # duration_s, whichever comes first: a run of exactly N requests is reproducible
+    requests: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
 
 
 class LoadProfile(Strict):

@@ -217,6 +217,11 @@ def _run_json_models():
         duration_s: Optional[Num] = None
         t_start_ns: Optional[Ns] = None
         t_end_ns: Optional[Ns] = None
+        # the load process's largest event-loop pause in the stage (the largest of its
+        # processes), and how many pauses were over 5 ms (summed): client lateness per request
+        # cannot show a stall that made every stream late together
+        loop_pause_max_ms: Optional[Num] = None
+        loop_pauses_over_5ms: Optional[Count] = None
 
     class Endpoint(_Loose):
         name: str

@@ -16,7 +16,6 @@ import pyarrow.compute as pc
 
 from kvbench.core import redact, store
 from kvbench.core.errors import DataError, UserError
-from kvbench.reports.engine_counters import adapters as engine_adapters
 
 log = logging.getLogger("kvbench.runs")
 
@@ -162,6 +161,10 @@ def merge_proc_meta(metas: list[dict]) -> dict:
             else:
                 cur["t_start_ns"] = min(cur["t_start_ns"], st["t_start_ns"])
                 cur["t_end_ns"] = max(cur["t_end_ns"], st["t_end_ns"])
+                for k, fold in (("loop_pause_max_ms", max), ("loop_pauses_over_5ms", sum)):
+                    got = [v for v in (cur.get(k), st.get(k)) if v is not None]
+                    if got:
+                        cur[k] = fold(got)
         for item in m.get("incomplete", []):
             if item not in incomplete:
                 incomplete.append(item)
@@ -296,6 +299,9 @@ def endpoint_caches(run_dir: Path, endpoint_cfgs=()) -> dict:
     except Exception:  # noqa: BLE001 - no engine samples: no capacities
         t = None
     if t is not None and t.num_rows:
+        # imported here: it brings pandas (+40 MB), which a load process never needs
+        from kvbench.reports.engine_counters import adapters as engine_adapters
+
         for ep, adapter in engine_adapters(t).items():
             if adapter.cache_config is None:
                 continue

@@ -37,6 +37,7 @@ class JobStage:
     duration_s: float
     rate_rps: float | None = None
     users: int | None = None
+    requests: int | None = None  # the stage ends after this many sent (all processes)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Job:
     pacing: str = "closed"
     stages: list = field(default_factory=list)  # [JobStage]
     stage_index: int = 0  # the stage a closed-loop run drives
+    max_requests: int | None = None  # the run ends after this many sent (--kvbench-requests)
     gamma_cv: float = 2.0
     max_in_flight: int = 512
     timeout_s: float = 600.0
@@ -257,6 +259,7 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
             duration_scale: float = 1.0, gamma_cv: float | None = None,
             max_in_flight: int | None = None, timeout_s: float | None = None,
             cold_connections: bool = False, ignore_eos: bool = False, run_id: str = "",
+            max_requests: int | None = None,
             results_dir: str | Path = "results", lookup_model: bool = True,
             where: str = "the config") -> Job:
     """The job of ``workload`` on ``endpoint`` under ``profile`` of ``cfg`` (None: the
@@ -285,7 +288,7 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         specs = workload_specs(cfg_eff, workload)
     prof_name, prof = _profile(cfg, profile, where)
     if stages is None:
-        stages = ([JobStage(i, s.duration_s * duration_scale, s.rate_rps, s.users)
+        stages = ([JobStage(i, s.duration_s * duration_scale, s.rate_rps, s.users, s.requests)
                    for i, s in enumerate(prof.stages)] if prof is not None
                   else [JobStage(0, FOREVER_S)])
     warm = (prof.warmup_connections if prof else True) and not cold_connections
@@ -310,7 +313,7 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         tokenizer=cfg_eff.suite.tokenizer if cfg_eff is not None else None,
         seed=cfg.suite.seed if cfg is not None else 0,
         pacing=pacing or (prof.pacing if prof else "closed"), stages=list(stages),
-        stage_index=stage_index, gamma_cv=gamma_cv or (prof.gamma_cv if prof else 2.0),
+        stage_index=stage_index, max_requests=max_requests, gamma_cv=gamma_cv or (prof.gamma_cv if prof else 2.0),
         max_in_flight=max_in_flight or (prof.max_in_flight if prof else 512),
         timeout_s=timeout_s or (prof.request_timeout_s if prof else 600.0),
         drain_s=prof.drain_s if prof is not None else DRAIN_S,
