@@ -42,6 +42,7 @@ CROSS_REGION_MS = 50.0  # remote-region median TTFT this much above local ...
 CROSS_REGION_FACTOR = 1.2  # ... and 20% above it
 HOGWILD_GAIN = 1.3  # seed 000: "Hogwild! gain under 1.3x -> Revert to single-worker"
 LATENESS_P99_MS = 50.0  # client lateness p99 above this: the generator sends late
+LOOP_PAUSE_MS = 10.0  # a load-process event-loop pause above this: chunks were read late
 CLIENT_OVERHEAD_P50_MS = 50.0  # client TTFT minus the server's own times, median
 ERROR_RATE = 0.01  # errors above 1% of the requests that finished ...
 ERROR_MIN = 3  # ... and at least this many of them
@@ -567,6 +568,17 @@ def overloaded(d: ReportData) -> list[Finding]:
     return out
 
 
+def _largest_pause(stages: list[dict], endpoint: str) -> tuple[float, str] | None:
+    """The largest recorded loop pause of ``endpoint``'s stages, with where it was."""
+    best = None
+    for s in stages:
+        ms = s.get("loop_pause_max_ms")
+        if str(s.get("endpoint")) == endpoint and ms is not None and (
+                best is None or float(ms) > best[0]):
+            best = (float(ms), f"{s.get('workload')} stage {s.get('index')}")
+    return best
+
+
 def loadgen_saturated(d: ReportData) -> list[Finding]:
     """The load generator sent late or read slowly. Lateness is split into the connection
     setup (``connect_ns``: the endpoint accepting the connection, which an overloaded server
@@ -595,6 +607,11 @@ def loadgen_saturated(d: ReportData) -> list[Finding]:
             ev.append((f"own delay p99 with at most {late['in_flight_cut']:,.0f} requests in "
                        "flight (the load process, not a backlog)", _fmt(late["low_p99"], "ms")))
             ev.append(("client lateness mean", _fmt(late["mean"], "ms")))
+        pause = _largest_pause(d.stages, str(ep))
+        if pause is not None and pause[0] > LOOP_PAUSE_MS:
+            ev.append((f"largest event-loop pause of the load process ({pause[1]})",
+                       _fmt(pause[0], "ms") + ": every stream in flight was read that late "
+                       "together, so per-chunk times (ITL, TPOT) of that stage carry it"))
         ok = sub[sub["ok"]]
         server = (ok["server_queue_ms"] + ok["server_prefill_ms"]
                   + ok["server_kv_transfer_ms"].fillna(0) + ok["server_first_decode_ms"])

@@ -160,7 +160,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     by_class = _group_tables(f, "request_class")
     stage_table = _stage_table(d, stage_rates)
     by_stage = _table_rows(stage_table, ["endpoint", "workload", "stage", "load",
-                                         "overloaded"]) if not stage_table.empty else []
+                                         "overloaded", LOOP_PAUSE]
+                           ) if not stage_table.empty else []
     no_slo_classes = _no_slo_classes(f)
     # by topology alone, when endpoints share one (otherwise it repeats the summary)
     by_topology = (_table_rows(M.summarise(f, by=["topology"], metrics=GROUP_METRICS),
@@ -345,25 +346,40 @@ def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None
             "rows": rows}
 
 
+LOOP_PAUSE = "largest loop pause"  # the stage table's column, beside client lateness
+
+
+def loop_pause_text(stage: dict) -> str:
+    """The load process's largest event-loop pause in a stage, and how many were over 5 ms
+    (every stream is read late together during one: lateness per request cannot show it)."""
+    ms = stage.get("loop_pause_max_ms")
+    if ms is None:
+        return "–"  # not measured (a run recorded before kvbench measured it)
+    n = stage.get("loop_pauses_over_5ms") or 0
+    return f"{float(ms):.1f} ms" + (f" ({int(n)} over 5 ms)" if n else "")
+
+
 def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
     """Per stage: its load (offered req/s, or users of a closed loop), offered rate, achieved
     throughput and goodput (``reports.overload.rates``), the verdict and latencies."""
     f = d.frame
     t = M.summarise(f, by=["endpoint", "workload", "stage"],
                     metrics=("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
-                             "ttft_p50", "ttft_p99", "tpot_p50", "e2e_p99", "error_rate"))
+                             "ttft_p50", "ttft_p99", "tpot_p50", "e2e_p99", "error_rate",
+                             "lateness_p99"))
     if t.empty:
         return t
     t = _mark_no_slo(t, f, ["endpoint", "workload", "stage"])
     verdicts = {(str(r["endpoint"]), str(r["workload"]), int(r["stage"])): r["overloaded"]
                 for _, r in rates.iterrows()}
-    offered, load, kind, over = [], [], set(), []
+    offered, load, kind, over, pauses = [], [], set(), [], []
     idx = {(str(s.get("endpoint")), str(s.get("workload")), int(s.get("index", -1))): s
            for s in d.stages}
     for _, r in t.iterrows():
         k = (str(r["endpoint"]), str(r["workload"]), int(r["stage"]))
         s = idx.get(k, {})
         v = verdicts.get(k)
+        pauses.append(loop_pause_text(s))
         over.append("–" if v is None or v != v else ("yes" if v else "no"))
         if r["offered_rps"] == r["offered_rps"]:
             offered.append(float(r["offered_rps"]))
@@ -382,6 +398,7 @@ def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
     t.insert(3, "offered", offered)
     t.insert(4, "load", load)
     t.insert(5, "overloaded", over)
+    t.insert(6, LOOP_PAUSE, pauses)
     t.attrs["x_title"] = ("offered load (req/s)" if kind == {"rate"} else
                           "concurrent users" if kind == {"users"} else
                           "offered load (req/s, users, or measured req/s)")

@@ -338,3 +338,31 @@ def test_loadgen_not_blamed_for_lateness_spent_connecting_to_the_endpoint(tmp_pa
     (f,) = rules(make(tmp_path, shape, name="own"), "loadgen_saturated")
     assert f.numbers["own_lateness_p99_ms"] > 50
     assert "own delay" in " ".join(k for k, _ in f.evidence)
+
+
+# a stalled load process (loop-lag monitor in run.json) -------------------------------------
+
+def test_loop_pause_is_shown_beside_lateness_and_blamed_on_the_load_process(tmp_path):
+    from kvbench.reports.render import LOOP_PAUSE, build_context
+
+    shape = RunShape(endpoints=[EndpointShape("colo")])
+    table, stages = synth_table(shape)
+    stages = [dict(s, loop_pause_max_ms=3.1 if i else 42.5, loop_pauses_over_5ms=0 if i else 2)
+              for i, s in enumerate(stages)]
+    write_run(tmp_path / "run", table, run_meta(shape, stages))
+    d = load([tmp_path / "run"])
+    found = rules(d, "loadgen_saturated")
+    assert len(found) == 1
+    ev = dict(found[0].evidence)
+    key = next(k for k in ev if k.startswith("largest event-loop pause"))
+    assert "stage 0" in key and ev[key].startswith("42.5 ms")
+    ctx = build_context(d)
+    stage = ctx["by_stage"]
+    col = stage["keys"].index(LOOP_PAUSE)
+    assert stage["rows"][0]["keys"][col] == "42.5 ms (2 over 5 ms)"
+    assert "client lateness p99" in stage["metrics"]
+
+    # below 10 ms, or not measured (an older run): no finding
+    calm = [dict(s, loop_pause_max_ms=4.0) for s in synth_table(shape)[1]]
+    write_run(tmp_path / "calm", table, run_meta(shape, calm))
+    assert rules(load([tmp_path / "calm"]), "loadgen_saturated") == []
