@@ -247,7 +247,7 @@ def _per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
     """Per stage: GPUs, output tokens/s (total, per GPU), per-user tokens/s, $ / M output
     tokens, and whether the stage is on the Pareto frontier or is its endpoint's knee."""
     if points.empty:
-        return {"rows": [], "example_price": False, "unknown_gpus": []}
+        return {"rows": [], "example_price": False, "unknown_gpus": [], "knee_pct": ""}
     on_front = set(P.frontier(points["tps_per_gpu"], points["per_user_tps"]).tolist())
     knees = set()
     for _, rows in points.groupby("endpoint", sort=False):
@@ -268,8 +268,11 @@ def _per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
                     "output_tps": fmt(r["output_tps"]), "tps_per_gpu": fmt(r["tps_per_gpu"]),
                     "per_user_tps": fmt(r["per_user_tps"]), "cost_per_m": fmt(r["cost_per_m"]),
                     "example_price": bool(r["example_price"]),
-                    "frontier": i in on_front, "knee": i in knees})
+                    "frontier": i in on_front, "knee": i in knees,
+                    "pareto": ", ".join(w for w, on in (("frontier", i in on_front),
+                                                         ("knee", i in knees)) if on) or "–"})
     return {"rows": out, "example_price": bool(points["example_price"].any()),
+            "knee_pct": f"{P.KNEE_FRACTION:.0%}",
             "unknown_gpus": sorted(set(points.loc[~points["gpus_known"].astype(bool),
                                                   "endpoint"]))}
 

@@ -99,6 +99,11 @@ def test_report_figures_on_synthetic_records(tmp_path):
     assert "cost per million output tokens (example prices)" in summary
     assert "output tokens/s per GPU" in summary
     assert ctx["per_gpu"]["example_price"] and ctx["per_gpu"]["unknown_gpus"] == []
+    for ep in shape.endpoints:  # one knee per endpoint; the frontier holds the best per GPU
+        marks = [r["pareto"] for r in ctx["per_gpu"]["rows"] if r["endpoint"] == ep.name]
+        assert sum("knee" in m for m in marks) == 1
+    best = max(ctx["per_gpu"]["rows"], key=lambda r: float(r["tps_per_gpu"].replace(",", "")))
+    assert best["pareto"].startswith("frontier")
     assert {"GPUs", "per GPU", "$ / M output tokens", "per-user tokens/s", "knee",
             "Pareto frontier"} <= set(ctx["definitions"])
 
