@@ -116,6 +116,22 @@ class EmulatorConfig(_Strict):
         return Resolved.from_config(self)
 
 
+def gpu_count(cfg: EmulatorConfig) -> tuple[int, str]:
+    """The GPUs an emulated endpoint runs (each engine is one GPU) and how they add up:
+    colocated and offloaded, their replicas (offloaded KV in DRAM or on disk is no GPU);
+    disaggregated, its prefill and decode GPUs; routed, its regions times replicas."""
+    if cfg.topology in ("colocated", "offloaded"):
+        n = Resolved.replicas_of(cfg)
+        return n, f"{n} replica{'s' * (n != 1)} (options.replicas)"
+    if cfg.topology == "disaggregated":
+        return (cfg.prefill_gpus + cfg.decode_gpus,
+                f"{cfg.prefill_gpus} prefill + {cfg.decode_gpus} decode "
+                "(options.prefill_gpus, options.decode_gpus)")
+    return (cfg.regions * cfg.replicas_per_region,
+            f"{cfg.regions} regions x {cfg.replicas_per_region} replicas "
+            "(options.regions, options.replicas_per_region)")
+
+
 def validate_options(topology: str, options: dict) -> EmulatorConfig:
     """The settings of a built-in endpoint; raises pydantic.ValidationError on bad options."""
     data = dict(options or {})
@@ -209,7 +225,12 @@ class Resolved:
                                us_per_unit=c.tier_us_per_load_unit)
 
     def replicas(self) -> int:
-        c = self.cfg
+        return self.replicas_of(self.cfg)
+
+    @staticmethod
+    def replicas_of(c: EmulatorConfig) -> int:
+        """Engines of a colocated or offloaded endpoint (default: 2 colocated, the GPUs of one
+        prefill and one decode GPU; 1 offloaded)."""
         if c.replicas is not None:
             return c.replicas
         return 2 if c.topology == "colocated" else 1

@@ -88,8 +88,8 @@ DEFINITIONS = {
     "percentiles": "linear interpolation between order statistics (numpy's default); "
                    "confidence intervals by a seeded bootstrap over requests.",
     "wall time": "sum over the load stages in the rows of (t_end - t_start) from run.json; "
-                 "without it, last response end minus first scheduled send per stage (the "
-                 "cost per output token uses it; rates use the achieved interval).",
+                 "without it, last response end minus first scheduled send per stage (rates "
+                 "and the cost per output token use the achieved interval).",
 }
 
 

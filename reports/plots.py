@@ -14,6 +14,7 @@ from plotly.subplots import make_subplots
 from kvbench.model import costmodel
 from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
+from kvbench.reports import pareto as P
 from kvbench.reports.data import ReportData
 from kvbench.reports.resampling import drop_nan
 
@@ -311,11 +312,75 @@ def errors_over_time(d: ReportData) -> Figure | None:
     return _fig(fig, "errors_time", "Errors over time, by status")
 
 
+def pareto_plot(points: pd.DataFrame, endpoints: list[str]) -> Figure | None:
+    """Per-user output tokens/s against output tokens/s per GPU, one curve per endpoint over
+    its stages (``reports.pareto.stage_points``), the frontier of all points as a staircase
+    and each endpoint's knee as a star."""
+    if points.empty:
+        return None
+    pts = points[np.isfinite(points["tps_per_gpu"].to_numpy(dtype=np.float64))
+                 & np.isfinite(points["per_user_tps"].to_numpy(dtype=np.float64))]
+    if pts.empty:
+        return None
+    pts = pts.reset_index(drop=True)
+    fig = go.Figure()
+    order = [ep for ep in endpoints if ep in set(pts["endpoint"])]
+    for i, ep in enumerate(order):
+        rows = pts[pts["endpoint"] == ep].sort_values("tps_per_gpu")
+        hover = [f"{ep}: {r.workload} stage {r.stage}"
+                 + (f", {r.rate_rps:g} req/s planned" if r.rate_rps == r.rate_rps
+                    and r.rate_rps is not None else "")
+                 + (f", {int(r.users)} users" if r.users == r.users and r.users is not None
+                    else "")
+                 + f"<br>{r.tps_per_gpu:,.1f} output tok/s per GPU ({r.gpus} GPUs)"
+                 + f"<br>{r.per_user_tps:,.1f} tok/s per user"
+                 + (f"<br>${r.cost_per_m:,.2f} / M output tokens"
+                    + (" (example price)" if r.example_price else "")
+                    if r.cost_per_m == r.cost_per_m else "")
+                 for r in rows.itertuples()]
+        fig.add_trace(go.Scatter(x=rows["tps_per_gpu"].tolist(),
+                                 y=rows["per_user_tps"].tolist(),
+                                 mode="lines+markers", name=ep, text=hover,
+                                 hoverinfo="text", line=dict(color=_colour(i))))
+        k = P.knee(rows["tps_per_gpu"], rows["per_user_tps"])
+        if k is not None:
+            r = rows.iloc[k]
+            fig.add_trace(go.Scatter(x=[float(r["tps_per_gpu"])], y=[float(r["per_user_tps"])],
+                                     mode="markers", name=f"{ep} knee",
+                                     marker=dict(symbol="star", size=16, color=_colour(i),
+                                                 line=dict(color="#1d2330", width=1)),
+                                     hovertext=f"{ep} knee: {r['tps_per_gpu']:,.1f} tok/s "
+                                               f"per GPU at {r['per_user_tps']:,.1f} tok/s "
+                                               "per user", hoverinfo="text"))
+    front = P.frontier(pts["tps_per_gpu"], pts["per_user_tps"])
+    if len(front):
+        fr = pts.iloc[front]
+        fig.add_trace(go.Scatter(x=fr["tps_per_gpu"].tolist(), y=fr["per_user_tps"].tolist(),
+                                 mode="lines",
+                                 line=dict(color="#1d2330", dash="dash", shape="vh", width=1),
+                                 name="Pareto frontier (all endpoints)", hoverinfo="skip"))
+    fig.update_xaxes(title_text="output tokens/s per GPU", rangemode="tozero")
+    fig.update_yaxes(title_text="per-user output tokens/s (1000 / TPOT, median)",
+                     rangemode="tozero")
+    note = (f"One point per load stage. Frontier: the stages no other stage beats on both "
+            f"axes. Knee (star): the endpoint's frontier point with the most tokens/s per GPU "
+            f"whose per-user speed is at least {P.KNEE_FRACTION:.0%} of its best.")
+    unknown = sorted(set(pts.loc[~pts["gpus_known"].astype(bool), "endpoint"]))
+    if unknown:
+        note += (" GPUs not recorded (counted as 1): " + ", ".join(unknown) + ".")
+    return _fig(fig, "pareto", "Latency-throughput trade-off: per-user speed against "
+                "throughput per GPU", note)
+
+
 def all_figures(d: ReportData, stage_table: pd.DataFrame,
-                itl_cache: dict[str, np.ndarray]) -> list[Figure]:
+                itl_cache: dict[str, np.ndarray],
+                points: pd.DataFrame | None = None) -> list[Figure]:
     figs: list[Figure | None] = []
     figs += cdfs(d, itl_cache)
     figs += load_curves(d, stage_table)
+    if points is None:
+        points = P.stage_points(d.frame, d.endpoints, d.stages)
+    figs.append(pareto_plot(points, d.endpoint_names))
     figs.append(ttft_vs_prompt(d))
     figs.append(hit_ratio_over_time(d))
     figs.append(gpu_timelines(d))

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
@@ -24,6 +23,7 @@ from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
 from kvbench.reports.diagnose import Finding, diagnose
 from kvbench.reports import overload as O
+from kvbench.reports import pareto as P
 from kvbench.reports.frame import itl_values, wall_s
 from kvbench.reports.resampling import CI
 
@@ -104,13 +104,10 @@ def _row(label: str, unit: str, values: list[float], higher: bool | None,
             "better": "" if higher is None else ("higher" if higher else "lower")}
 
 
-def cost_per_m_output(d: ReportData, ep: str, output_tokens: float, wall_s: float) -> float:
-    """Endpoint GPU cost over its load-stage wall time, per million output tokens."""
-    entry = d.endpoints.get(ep) or {}
-    cost, gpus = entry.get("gpu_hour_cost"), entry.get("gpus") or 1
-    if cost is None or not output_tokens or not wall_s or math.isnan(wall_s):
-        return math.nan
-    return float(cost) * float(gpus) * wall_s / 3600.0 / (output_tokens / 1e6)
+def cost_per_m_output(d: ReportData, ep: str, frame: pd.DataFrame) -> float:
+    """The endpoint's GPUs at its gpu_hour_cost, per million output tokens at the achieved
+    output rate of its rows (``reports.pareto``)."""
+    return P.endpoint_figures(frame, d.endpoints.get(ep))["cost_per_m"]
 
 
 def build_context(d: ReportData, title: str | None = None, figures: bool = True) -> dict:
@@ -130,9 +127,9 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                              seed=REPORT_SEED)
     engine_hits = E.hit_ratio(d.engine)
     walls = {ep: wall_s(sub) for ep, sub in per_ep.items()}
-    out_tokens = {ep: float(np.nansum(sub["completion_tokens"].to_numpy()[sub["ok"].to_numpy()]))
-                  for ep, sub in per_ep.items()}
-    costs = {ep: cost_per_m_output(d, ep, out_tokens[ep], walls[ep]) for ep in eps}
+    gpu_figs = {ep: P.endpoint_figures(sub, d.endpoints.get(ep)) for ep, sub in per_ep.items()}
+    costs = {ep: gpu_figs[ep]["cost_per_m"] for ep in eps}
+    example_price = any(gpu_figs[ep]["example_price"] for ep in eps)
 
     summary = [_row("requests", "count", [len(per_ep[ep]) for ep in eps], None)]
     outcomes = {ep: M.outcomes(per_ep[ep]) for ep in eps}
@@ -152,9 +149,12 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     if engine_hits:
         summary.append(_row("prefix hit ratio (engine counters)", "fraction",
                             [engine_hits.get(ep, math.nan) for ep in eps], True))
+    summary.append(_row("output tokens/s per GPU", "tok/s",
+                        [gpu_figs[ep]["tps_per_gpu"] for ep in eps], True))
     if any(not math.isnan(c) for c in costs.values()):
-        summary.append(_row("cost per million output tokens", "$", [costs[ep] for ep in eps],
-                            False))
+        summary.append(_row("cost per million output tokens"
+                            + (" (example prices)" if example_price else ""), "$",
+                            [costs[ep] for ep in eps], False))
     summary.append(_row("stage wall time", "s", [walls[ep] for ep in eps], None))
 
     by_class = _group_tables(f, "request_class")
@@ -188,13 +188,16 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                              key=lambda r: -_nz(r["value"])),
         "by_cost": sorted(({"endpoint": ep, "value": costs[ep], "text": fmt(costs[ep]),
                             "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
-                            "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost")}
+                            "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost"),
+                            "example_price": gpu_figs[ep]["example_price"]}
                            for ep in eps if not math.isnan(costs[ep])),
                           key=lambda r: r["value"]),
     }
     from kvbench.reports.plots import all_figures
 
-    figures = all_figures(d, stage_table, itl_cache) if figures else []
+    points = P.stage_points(f, d.endpoints, d.stages)
+    per_gpu = _per_gpu_block(points, stage_table)
+    figures = all_figures(d, stage_table, itl_cache, points) if figures else []
     findings = diagnose(d)
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
@@ -206,7 +209,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                        "model": (d.endpoints.get(ep) or {}).get("model"),
                        "url": redact.redact_url((d.endpoints.get(ep) or {}).get("url")),
                        "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
-                       "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost")}
+                       "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost"),
+                       "example_price": gpu_figs[ep]["example_price"]}
                       for ep in eps],
         "endpoint_names": eps,
         "summary": summary,
@@ -219,11 +223,12 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "outcomes": outcomes,
         "engine_comparison": engine_rows,
         "bake": bake,
+        "per_gpu": per_gpu,
         "findings": findings,
         "figures": figures,
         "slo": d.slo,
         "no_slo_classes": no_slo_classes,
-        "definitions": M.DEFINITIONS,
+        "definitions": {**M.DEFINITIONS, **P.DEFINITIONS},
         "config_json": json.dumps(redact.public_config(d.runs[0].config if d.runs else {}),
                                   indent=2, sort_keys=True, default=str),
         "versions": {k: v for r in d.runs for k, v in r.versions.items()},
@@ -237,6 +242,40 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
     }
+
+
+def _per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
+    """Per stage: GPUs, output tokens/s (total, per GPU), per-user tokens/s, $ / M output
+    tokens, and whether the stage is on the Pareto frontier or is its endpoint's knee."""
+    if points.empty:
+        return {"rows": [], "example_price": False, "unknown_gpus": [], "knee_pct": ""}
+    on_front = set(P.frontier(points["tps_per_gpu"], points["per_user_tps"]).tolist())
+    knees = set()
+    for _, rows in points.groupby("endpoint", sort=False):
+        k = P.knee(rows["tps_per_gpu"], rows["per_user_tps"])
+        if k is not None:
+            knees.add(int(rows.index[k]))
+    loads = {}
+    if not stage_table.empty:
+        loads = {(str(r["endpoint"]), str(r["workload"]), int(r["stage"])): (r["load"],
+                                                                              r["overloaded"])
+                 for _, r in stage_table.iterrows()}
+    out = []
+    for i, r in points.iterrows():
+        load, over = loads.get((r["endpoint"], r["workload"], int(r["stage"])), ("–", "–"))
+        out.append({"endpoint": r["endpoint"], "workload": r["workload"],
+                    "stage": int(r["stage"]), "load": load, "overloaded": over,
+                    "gpus": fmt(r["gpus"], "count") + ("" if r["gpus_known"] else " (assumed)"),
+                    "output_tps": fmt(r["output_tps"]), "tps_per_gpu": fmt(r["tps_per_gpu"]),
+                    "per_user_tps": fmt(r["per_user_tps"]), "cost_per_m": fmt(r["cost_per_m"]),
+                    "example_price": bool(r["example_price"]),
+                    "frontier": i in on_front, "knee": i in knees,
+                    "pareto": ", ".join(w for w, on in (("frontier", i in on_front),
+                                                         ("knee", i in knees)) if on) or "–"})
+    return {"rows": out, "example_price": bool(points["example_price"].any()),
+            "knee_pct": f"{P.KNEE_FRACTION:.0%}",
+            "unknown_gpus": sorted(set(points.loc[~points["gpus_known"].astype(bool),
+                                                  "endpoint"]))}
 
 
 def _error_rows(f: pd.DataFrame, outcomes: dict[str, dict]) -> list[dict]:

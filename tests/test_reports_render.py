@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 EVIL_MODEL = 'llama<script>window.__pwned = 1</script>'
 EVIL_ENDPOINT = 'vendor</script><script>window.__pwned2 = 1</script>'
-FIGURES = ("cdf_ttft", "cdf_itl", "cdf_e2e", "latency_vs_load", "goodput_vs_load",
+FIGURES = ("pareto", "cdf_ttft", "cdf_itl", "cdf_e2e", "latency_vs_load", "goodput_vs_load",
            "ttft_vs_prompt", "hit_ratio_time", "gpu_timelines", "errors_time")
 
 

@@ -26,7 +26,29 @@ class BuiltinEndpoint(Strict):
     max_context_tokens: int = Field(default=DEFAULT_CONTEXT_TOKENS, gt=0, le=MAX_TOKENS)
     model: str = "kvbench-llama-3-70b"
     gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST)
-    gpus: int = Field(default=1, gt=0, le=MAX_GPUS)
+    # Derived from the topology and its options (``endpoints.config.gpu_count``); a value
+    # written in bench.toml must agree with it (it documents, never overrides, the topology).
+    gpus: int | None = Field(default=None, gt=0, le=MAX_GPUS, validate_default=True)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: int | None, info) -> int:
+        from pydantic import ValidationError
+
+        from kvbench.endpoints.config import gpu_count, validate_options
+
+        topology, options = info.data.get("topology"), info.data.get("options")
+        if topology is None or options is None:  # reported as their own errors
+            return v or 1
+        try:
+            n, how = gpu_count(validate_options(topology, options))
+        except ValidationError:  # bad options: the config's cross-check names them
+            return v or 1
+        if v is not None and v != n:
+            raise ValueError(f"gpus = {v} but this {topology} endpoint runs {n} GPU"
+                             f"{'s' * (n != 1)}: {how}; remove gpus (the built-in endpoints "
+                             "derive it from their topology) or change those options")
+        return n
 
 
 class OpenAIEndpoint(Strict):
