@@ -136,6 +136,41 @@ class _IdleTimer:
         self.timer.close()
 
 
+_ADDRS: dict[tuple[str, int], tuple[float, list, list]] = {}  # (host, port) -> resolution
+ADDR_TTL_S = 30.0  # how long a resolution is reused (DNS changes are seen after this)
+
+
+def resolve(host: str, port: int) -> tuple:
+    """One address of ``host``, from a resolution shared by every pool of the process and
+    renewed after ``ADDR_TTL_S``; successive calls rotate over the addresses (round-robin DNS
+    spreads as before). gevent's resolver hands each lookup to a native thread: done per
+    connection, hundreds of users opening theirs together held the loop for milliseconds."""
+    now = time.monotonic()
+    got = _ADDRS.get((host, port))
+    if got is None or now - got[0] > ADDR_TTL_S:
+        infos = gsocket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"no address for {host}")
+        got = _ADDRS[(host, port)] = (now, infos, [0])
+    infos, turn = got[1], got[2]
+    info = infos[turn[0] % len(infos)]
+    turn[0] += 1
+    return info
+
+
+def connect(host: str, port: int, timeout_s: float):
+    """A gevent socket connected to ``host:port`` (an address from ``resolve``)."""
+    family, kind, proto, _, addr = resolve(host, port)
+    sock = gsocket.socket(family, kind, proto)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ConnectionPool:
     """Keep-alive connections to one target; ``acquire`` reports the setup time it paid."""
 
@@ -158,7 +193,7 @@ class ConnectionPool:
 
     def open(self) -> Connection:
         t = self.target
-        sock = gsocket.create_connection((t.host, t.port), timeout=self.connect_timeout_s)
+        sock = connect(t.host, t.port, self.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is not None:
             sock = self._ssl.wrap_socket(sock, server_hostname=t.host)

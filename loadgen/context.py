@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import sys
 import time
 from dataclasses import replace
 from urllib.parse import urlsplit
@@ -21,6 +22,7 @@ from kvbench.core.errors import UserError
 from kvbench.core.store import START_COLUMNS, worker_name
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from kvbench.loadgen.looplag import LoopLag
+from kvbench.loadgen.prefetch import Prefetch
 from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
 from kvbench.loadgen.pacing import (OpenLoopDispatcher, StagePlan, cycle_requests, shard,
@@ -79,6 +81,10 @@ class LoadContext:
         self.sink = RecordSink(self.run_dir)
         self.sink.start()
         self.looplag = LoopLag().start()  # the largest event-loop pause per stage, in run.json
+        # The record sink converts and writes batches on a native thread; with Python's default
+        # 5 ms switch interval that thread held the GIL for up to 5 ms at a time while the
+        # loop waited to read chunks. 0.5 ms bounds each wait (handoffs cost ~us).
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self.stopping = gevent.event.Event()  # set when the stage ends: start nothing new
         self.dispatched = gevent.event.Event()  # open loop: the dispatcher is done
         self.interrupted: str | None = None  # set by the quitting hook: which signal
@@ -97,17 +103,18 @@ class LoadContext:
         self.stages = [replace(s, requests=share_of(s.requests, self.index, self.count))
                        for s in self.stages]
         self.max_requests = share_of(job.max_requests, self.index, self.count)
-        self._sessions = self._session_iter()
+        self._sessions = None  # built ahead in idle time: see next_session
         self.dispatcher: OpenLoopDispatcher | None = None
         self.t_start_ns = time.time_ns()
         if self.pacing == "closed":
             i = self.stage_index
             planned = self.stages[i] if i < len(self.stages) else StagePlan(i, 0.0)
             users = planned.users or getattr(environment.parsed_options, "num_users", None)
-            self.open_stage(StagePlan(i, planned.duration_s, None, users), self.t_start_ns)
             limits = [n for n in (planned.requests, self.max_requests) if n is not None]
             self._left = min(limits) if limits else None  # closed loop: requests still to send
         settle_heap()
+        if self.pacing == "closed":
+            self.open_stage(StagePlan(i, planned.duration_s, None, users), self.t_start_ns)
 
     @property
     def drain_s(self) -> float:
@@ -142,6 +149,10 @@ class LoadContext:
         return True
 
     def next_session(self):
+        if self._sessions is None:  # one built ahead per user, up to 256
+            users = max((s.users or 0) for s in self.stages) or getattr(
+                self.environment.parsed_options, "num_users", None) or 1
+            self._sessions = Prefetch(self._session_iter(), min(256, users))
         return next(self._sessions, None)
 
     def new_client(self, pool: ConnectionPool | None = None) -> StreamingClient:
@@ -219,8 +230,10 @@ class LoadContext:
             requests = shard(requests, self.index, self.count)
         pool = ConnectionPool(self.target, read_timeout_s=self.timeout_s, cold=not self.warm)
         client = self.new_client(pool)
+        peak = max((s.rate_rps or 0) for s in self.stages) / self.count
+        # about a quarter second of arrivals built ahead in idle time (4 to 64)
+        requests = self._prefetch = Prefetch(requests, min(64, max(4, int(peak / 4))))
         if self.warm:
-            peak = max((s.rate_rps or 0) for s in self.stages) / self.count
             pool.warm(min(self.max_in_flight, 64, max(2, int(peak * 2))))
 
         def send(req, t_sched, stage):
@@ -242,6 +255,7 @@ class LoadContext:
         if self.stopping.is_set():
             d.stop()
         d.run()
+        self._prefetch.close()
         d.wait_idle(self.drain_s)  # then what is still in flight is cancelled at the stop
         d.cancel()
         pool.close()
@@ -300,6 +314,9 @@ class LoadContext:
         d = self.dispatcher
         if d is not None:
             d.cancel()
+        for built_ahead in (self._sessions, getattr(self, "_prefetch", None)):
+            if built_ahead is not None:
+                built_ahead.close()
         if runner is not None:
             runner.user_greenlets.join(timeout=5)
         self.sink.meta["endpoint"] = self.job.endpoint.record()

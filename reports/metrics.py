@@ -34,6 +34,7 @@ from kvbench.reports import resampling as R
 from kvbench.reports.frame import (NS_PER_MS, achieved_s, itl_values,  # noqa: F401
                                    offered_s, request_frame, started_s, wall_s)
 from kvbench.reports.resampling import CI, drop_nan, interval
+from kvbench.reports.spec import METRIC_NAMES, metric_name  # noqa: F401 - re-exported
 
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99, "p999": 0.999}
 
@@ -424,15 +425,9 @@ METRICS: dict[str, Callable[[pd.DataFrame], float]] = {k: m.value for k, m in
                                                         METRIC_INFO.items()}
 
 
-def metric_name(name: str) -> str:
-    """Canonical registry name (accepts ``ttft_p99.9`` for ``ttft_p999``, ``e2el_`` for
-    vLLM's E2EL)."""
-    key = name.strip().lower().replace("p99.9", "p999")
-    if key.startswith("e2el_"):
-        key = "e2e_" + key[len("e2el_"):]
-    if key not in METRIC_INFO:
-        raise UserError(f"unknown metric {name!r}; use one of {', '.join(sorted(METRIC_INFO))}")
-    return key
+assert set(METRIC_INFO) == METRIC_NAMES, (
+    "reports.spec.METRIC_NAMES must list every registered metric (and only those): "
+    f"{sorted(set(METRIC_INFO) ^ METRIC_NAMES)}")
 
 
 def statistic(frame: pd.DataFrame, name: str) -> float:

@@ -6,6 +6,29 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The metrics a gate rule may name: ``reports.metrics`` registers exactly these (it asserts so
+# at import). Kept here, apart from their pandas implementations, so loading a config (a load
+# process does) validates gate rules without importing pandas.
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e", "lateness")
+QUANTILE_NAMES = ("p50", "p90", "p95", "p99", "p999")
+OTHER_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
+                 "slo_attainment", "output_tps", "input_tps", "error_rate", "hit_ratio")
+METRIC_NAMES = frozenset([f"{b}_{q}" for b in LATENCY_METRICS
+                          for q in (*QUANTILE_NAMES, "mean")] + list(OTHER_METRICS))
+
+
+def metric_name(name: str) -> str:
+    """Canonical metric name (accepts ``ttft_p99.9`` for ``ttft_p999``, ``e2el_`` for vLLM's
+    E2EL); an unknown one is a ``UserError`` listing the known ones."""
+    from kvbench.core.errors import UserError
+
+    key = name.strip().lower().replace("p99.9", "p999")
+    if key.startswith("e2el_"):
+        key = "e2e_" + key[len("e2el_"):]
+    if key not in METRIC_NAMES:
+        raise UserError(f"unknown metric {name!r}; use one of {', '.join(sorted(METRIC_NAMES))}")
+    return key
+
 _DAY_MS = 86_400_000.0  # an SLO above a day is a typo (the request deadline caps at a day)
 
 
@@ -44,14 +67,13 @@ class GateRule(_Strict):
     @field_validator("metric")
     @classmethod
     def _known(cls, v: str) -> str:
-        from kvbench.reports.metrics import METRIC_INFO, metric_name
         from kvbench.core.errors import UserError
 
         try:
             metric_name(v)
         except UserError:
             raise ValueError(f"{v[:40]!r} is not a metric; use one of "
-                             f"{', '.join(sorted(METRIC_INFO))}") from None
+                             f"{', '.join(sorted(METRIC_NAMES))}") from None
         return v
 
     @model_validator(mode="after")

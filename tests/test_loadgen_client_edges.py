@@ -333,14 +333,14 @@ def test_connect_that_never_completes_reads_as_no_connection(monkeypatch):
     def hang(*a, **k):
         gevent.sleep(10)
 
-    monkeypatch.setattr(client_mod.gsocket, "create_connection", hang)
+    monkeypatch.setattr(client_mod, "connect", hang)
     r = client("http://127.0.0.1:9", deadline_s=0.2).post_stream("/v1/completions", BODY)
     assert (r.status, r.error) == ("timeout", "no connection within 0.2 s")
 
     def slow(*a, **k):
         raise socket.timeout("timed out")
 
-    monkeypatch.setattr(client_mod.gsocket, "create_connection", slow)
+    monkeypatch.setattr(client_mod, "connect", slow)
     pool = ConnectionPool(Target.parse("http://127.0.0.1:9"), connect_timeout_s=3)
     r = StreamingClient(pool, deadline_s=5).post_stream("/v1/completions", BODY)
     assert (r.status, r.error) == ("timeout", "no connection within 3 s")
@@ -363,3 +363,23 @@ def test_locust_against_a_refused_port_prints_no_traceback(tmp_path):
     assert "Traceback" not in out, out  # was one gevent traceback per user (10)
     assert out.count("kvbench: cannot open a connection to") == 1, out
     assert "disconnected: ConnectionRefusedError: [Errno 111] Connection refused" in out
+
+
+def test_addresses_are_resolved_once_and_rotated(monkeypatch):
+    # one lookup shared by every connection of the process (gevent hands each lookup to a
+    # native thread), rotating over the addresses as round-robin DNS would
+    calls = []
+
+    def lookup(host, port, *a):
+        calls.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.2", port))]
+
+    monkeypatch.setattr(client_mod.gsocket, "getaddrinfo", lookup)
+    monkeypatch.setattr(client_mod, "_ADDRS", {})
+    got = [client_mod.resolve("svc.example", 8000)[4][0] for _ in range(4)]
+    assert got == ["192.0.2.1", "192.0.2.2", "192.0.2.1", "192.0.2.2"]
+    assert calls == ["svc.example"]
+    monkeypatch.setattr(client_mod, "ADDR_TTL_S", 0.0)  # expired: looked up again
+    client_mod.resolve("svc.example", 8000)
+    assert calls == ["svc.example", "svc.example"]
