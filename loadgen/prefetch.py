@@ -74,7 +74,7 @@ class Prefetch:
             self._buf.append(item)
 
     def close(self) -> None:
-        """Stop building ahead (what is built stays available)."""
+        """End it: nothing more is built; what was built ahead can still be taken."""
         self._ended = True
         self._room.set()
         self._filler.kill(block=False)
