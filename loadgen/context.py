@@ -19,6 +19,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.core.store import START_COLUMNS, worker_name
+from kvbench.loadgen import live
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from kvbench.loadgen.looplag import LoopLag
 from kvbench.loadgen.openai import request_body, request_path
@@ -79,6 +80,7 @@ class LoadContext:
         self.sink = RecordSink(self.run_dir)
         self.sink.start()
         self.looplag = LoopLag().start()  # the largest event-loop pause per stage, in run.json
+        self.live = live.attach(self)  # the web UI's kvbench tab, kvbench run's progress
         self.stopping = gevent.event.Event()  # set when the stage ends: start nothing new
         self.dispatched = gevent.event.Event()  # open loop: the dispatcher is done
         self.interrupted: str | None = None  # set by the quitting hook: which signal
