@@ -28,7 +28,6 @@ from kvbench.runs.progress import live_path
 
 WINDOW_S = 30.0  # the sliding window of the "now" figures (by completion time)
 TICK_S = 1.0  # how often queued batches are derived (and the progress file rewritten)
-ITL_CAP = 5_000_000  # since-start ITL keeps the first this many gaps (40 MB); flagged after
 QS = (0.5, 0.9, 0.99)
 METRICS = ("ttft", "tpot", "itl", "lateness")  # ms; lateness = t_sent - t_scheduled
 LIVE_MSG = "kvbench_live"  # worker -> master: derived arrays of a tick
@@ -57,12 +56,10 @@ class SinceStart:
     and are merged (``np.insert`` at their sorted places: one copy of the array) when a
     quantile is asked for, so an unwatched run pays only the appends."""
 
-    def __init__(self, cap: int | None = None) -> None:
+    def __init__(self) -> None:
         self.sorted = np.empty(0)
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
-        self.cap = cap
-        self.capped = False
 
     def __len__(self) -> int:
         return len(self.sorted) + self.n_pending
@@ -70,13 +67,6 @@ class SinceStart:
     def add(self, values: np.ndarray) -> None:
         if not len(values):
             return
-        if self.cap is not None:
-            room = self.cap - len(self)
-            if room < len(values):
-                self.capped = True
-                values = values[:max(room, 0)]
-                if not len(values):
-                    return
         self.pending.append(values)
         self.n_pending += len(values)
         if len(self.pending) > 64:  # keep the list short; still unsorted
@@ -90,47 +80,152 @@ class SinceStart:
         return quantiles(self.sorted, qs)
 
 
+class MicroHist:
+    """Exact counts of integer-microsecond values (ITL: tens of thousands of gaps a second,
+    too many to sort at every refresh): one bin per microsecond below ``BINS`` us, with
+    per-block sums to find a rank without a pass over every bin; the rare larger values are
+    kept exactly apart. Quantiles (``micro_quantiles``) are numpy's linear ones over the
+    values in microseconds."""
+
+    BINS = 1 << 19  # 0.52 s of 1-us bins (4 MB)
+    SHIFT = 9  # blocks of 512 us
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BINS, np.int64)
+        self.blocks = np.zeros(self.BINS >> self.SHIFT, np.int64)
+        self.n = 0
+        self.big = SinceStart()
+
+    @classmethod
+    def split(cls, ms: np.ndarray) -> tuple:
+        """ms values -> (the small ones in us, the large ones in us as float)."""
+        us = np.rint(ms * 1e3).astype(np.int64)
+        small = us < cls.BINS
+        return us[small], us[~small].astype(np.float64)
+
+    def add(self, part: tuple, sign: int = 1, into: "MicroHist | None" = None) -> None:
+        """Add (sign 1) or take away (-1) a batch's values; ``into``: add what is taken away
+        to that histogram (the window's expired values go to the archive)."""
+        small, big = part
+        if len(small):
+            lo = int(small.min())  # only the occupied range of bins is touched
+            fine = np.bincount(small - lo)
+            clo = lo >> self.SHIFT
+            coarse = np.bincount((small >> self.SHIFT) - clo)
+            f, c = slice(lo, lo + len(fine)), slice(clo, clo + len(coarse))
+            for h, sg in ((self, sign), (into, 1)):
+                if h is None:
+                    continue
+                if sg > 0:
+                    h.counts[f] += fine
+                    h.blocks[c] += coarse
+                else:
+                    h.counts[f] -= fine
+                    h.blocks[c] -= coarse
+                h.n += sg * len(small)
+        if len(big):
+            if sign > 0:
+                self.big.add(big)
+            if into is not None:
+                into.big.add(big)
+
+    def __len__(self) -> int:
+        return self.n + len(self.big)
+
+
+def micro_quantiles(hists: list, qs=QS) -> list[float | None]:
+    """Quantiles (ms) of the values of several histograms together."""
+    n = sum(h.n for h in hists)
+    bigs = []
+    for h in hists:
+        h.big.quantiles((0.0,))  # merges what waits
+        bigs.append(h.big.sorted)
+    big = np.sort(np.concatenate(bigs)) if len(bigs) > 1 else bigs[0]
+    total = n + len(big)
+    if total == 0:
+        return [None for _ in qs]
+    cum_blocks = np.cumsum(sum(h.blocks for h in hists))
+    width = 1 << MicroHist.SHIFT
+
+    def at(rank: int) -> float:
+        if rank >= n:
+            return float(big[rank - n])
+        k = int(np.searchsorted(cum_blocks, rank, side="right"))
+        before = int(cum_blocks[k - 1]) if k else 0
+        block = np.cumsum(sum(h.counts[k * width:(k + 1) * width] for h in hists))
+        return float(k * width + np.searchsorted(block, rank - before, side="right"))
+
+    out = []
+    for q in qs:
+        pos = q * (total - 1)
+        lo = int(math.floor(pos))
+        a = at(lo)
+        b = at(min(lo + 1, total - 1))
+        out.append((a + (b - a) * (pos - lo)) / 1e3)  # us -> ms
+    return out
+
+
 def _zeros() -> dict:
     return {"done": 0, "ok": 0, "errors": 0, "cancelled": 0, "slo_judged": 0, "slo_met": 0,
             "prompt_tokens": 0, "cached_tokens": 0}
 
 
+PER_REQUEST = ("ttft", "tpot", "lateness")
+SINCE_EVERY_S = 10.0  # since-start figures of the per-request metrics: recomputed this often
+
+
 class KeyStats:
-    """One endpoint x request class: window chunks and since-start values and counts."""
+    """One endpoint x request class: window chunks and since-start values and counts. The
+    per-request metrics are kept as exact float ms; ITL as exact microsecond counts."""
 
     def __init__(self) -> None:
         self.window: collections.deque = collections.deque()  # (t_ns, arrays, counts)
-        self.since = {m: SinceStart(ITL_CAP if m == "itl" else None) for m in METRICS}
+        self.since = {m: SinceStart() for m in PER_REQUEST}
+        self.itl_window = MicroHist()
+        self.itl_archive = MicroHist()  # what left the window: since start = both
         self.counts = _zeros()
+        self._since_q: tuple[float, dict] | None = None
 
     def add(self, t_ns: int, arrays: dict, counts: dict) -> None:
-        self.window.append((t_ns, arrays, counts))
-        for m in METRICS:
+        part = MicroHist.split(arrays["itl"])
+        self.window.append((t_ns, arrays, counts, part))
+        for m in PER_REQUEST:
             self.since[m].add(arrays[m])
+        self.itl_window.add(part)
         for k, v in counts.items():
             self.counts[k] += v
 
     def trim(self, now_ns: int, window_s: float) -> None:
         edge = now_ns - int(window_s * 1e9)
         while self.window and self.window[0][0] < edge:
-            self.window.popleft()
+            part = self.window.popleft()[3]
+            self.itl_window.add(part, -1, into=self.itl_archive)
+            if len(part[1]):  # the rare ITL above BINS us: rebuilt from the window
+                self.itl_window.big = SinceStart()
+                for *_, p in self.window:
+                    self.itl_window.big.add(p[1])
 
     def summary(self, window_s: float, now_ns: int, since_s: float) -> dict:
         self.trim(now_ns, window_s)
         win = _zeros()
-        vals = {m: [] for m in METRICS}
-        for _, arrays, counts in self.window:
+        vals = {m: [] for m in PER_REQUEST}
+        for _, arrays, counts, _us in self.window:
             for k, v in counts.items():
                 win[k] += v
-            for m in METRICS:
+            for m in PER_REQUEST:
                 vals[m].append(arrays[m])
         span_s = min(window_s, since_s) if since_s > 0 else window_s
         out = {"window": _figures(win, span_s), "since": _figures(self.counts, since_s)}
-        for m in METRICS:
-            w = np.sort(np.concatenate(vals[m])) if vals[m] else np.empty(0)
-            out["window"][m] = quantiles(w)
-            out["since"][m] = self.since[m].quantiles()
-        out["since"]["itl_capped"] = self.since["itl"].capped
+        for m in PER_REQUEST:
+            w = np.concatenate(vals[m]) if vals[m] else np.empty(0)
+            out["window"][m] = quantiles(np.sort(w))
+        out["window"]["itl"] = micro_quantiles([self.itl_window])
+        mono = time.monotonic()
+        if self._since_q is None or mono - self._since_q[0] >= SINCE_EVERY_S:
+            q = {m: self.since[m].quantiles() for m in PER_REQUEST}
+            q["itl"] = micro_quantiles([self.itl_window, self.itl_archive])
+            self._since_q = (mono, q)
+        out["since"].update(self._since_q[1])
         return out
 
 
@@ -170,16 +265,13 @@ def derive(batch: pa.RecordBatch, slo: dict) -> dict:
     # ITL: the flat offsets' diffs, minus those that cross into the next request
     offs = batch.column("chunk_offsets_ns")
     lens = pc.fill_null(pc.list_value_length(offs), 0).to_numpy(zero_copy_only=False)
-    flat = pc.list_flatten(offs).to_numpy(zero_copy_only=False).astype(np.float64)
-    gap_row = np.repeat(np.arange(len(lens)), lens)[1:]
-    gap_ok = gap_row == np.repeat(np.arange(len(lens)), lens)[:-1]
+    flat = pc.list_flatten(offs).to_numpy(zero_copy_only=False)
+    row_of = np.repeat(np.arange(len(lens)), lens)
+    gap_row = row_of[1:]
+    gap_ok = gap_row == row_of[:-1]
     gaps = np.diff(flat) / 1e6 if len(flat) > 1 else np.empty(0)
-    keys = list(zip(batch.column("endpoint").to_pylist(), batch.column("request_class")
-                    .to_pylist()))
     out = {}
-    for key in dict.fromkeys(keys):
-        rows = np.fromiter((k == key for k in keys), bool, len(keys)) if len(set(keys)) > 1 \
-            else np.ones(len(keys), bool)
+    for key, rows in _groups(batch.column("endpoint"), batch.column("request_class")):
         r_ok = rows & ok
         met = r_ok.copy()
         limits = slo.get(key[1]) or {}
@@ -210,6 +302,20 @@ def derive(batch: pa.RecordBatch, slo: dict) -> dict:
         out[("", f"stage:{int(s)}")] = ({}, {"done": int(rows.sum()),
                                             "errors": int((fin & ~ok).sum())})
     return out
+
+
+def _groups(ep_col: pa.Array, cls_col: pa.Array):
+    """(endpoint, class) -> its rows (a bool mask), vectorised per distinct value."""
+    eps, classes = ep_col.unique().to_pylist(), cls_col.unique().to_pylist()
+    n = len(ep_col)
+    for ep in eps:
+        on_ep = np.ones(n, bool) if len(eps) == 1 else pc.equal(ep_col, ep).to_numpy(
+            zero_copy_only=False)
+        for cls in classes:
+            rows = on_ep if len(classes) == 1 else on_ep & pc.equal(cls_col, cls).to_numpy(
+                zero_copy_only=False)
+            if rows.any():
+                yield (ep, cls), rows
 
 
 class LiveStats:
@@ -285,7 +391,7 @@ class LiveStats:
         """What kvbench run's progress line needs from this process (cheap: no sort)."""
         return {"t_ns": time.time_ns(), "pid": os.getpid(), "state": self.state,
                 "stages": {str(k): v for k, v in self.stages.items()},
-                "ttft_ms_recent": [round(v, 3) for v in self.recent_ttft]}
+                "ttft_ms_recent": np.round(np.fromiter(self.recent_ttft, float), 3).tolist()}
 
 
 def _wire(derived: dict) -> dict:
