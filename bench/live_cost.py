@@ -65,12 +65,15 @@ def main(argv=None) -> None:
     per_flush = int(round(a.rate * FLUSH_INTERVAL_S))
     flushes = int(round(1 / FLUSH_INTERVAL_S))
     pool = [batch(rng, per_flush, a.chunks, time.time_ns()) for _ in range(8)]
-    stats = live.LiveStats({"rag": {"ttft_ms": 200.0, "tpot_ms": 50.0}, "chat": {}})
+    clock = [time.time_ns()]  # simulated: the window ages with the replayed seconds
+    stats = live.LiveStats({"rag": {"ttft_ms": 200.0, "tpot_ms": 50.0}, "chat": {}},
+                           clock=lambda: clock[0])
     tmp = Path(tempfile.mkdtemp()) / "live.json"
     spent = 0.0
     spent_last_min = 0.0
     summaries = 0
     for sec in range(a.seconds):
+        clock[0] += 10**9
         t = time.thread_time()
         for k in range(flushes):  # the sink's thread hands over its batches
             stats.tap(pool[(sec * flushes + k) % len(pool)])

@@ -51,6 +51,24 @@ def quantiles(sorted_values: np.ndarray, qs=QS) -> list[float | None]:
     return out
 
 
+def quantiles_of(values: np.ndarray, qs=QS) -> list[float | None]:
+    """The same quantiles of an unsorted array, by partitioning at the ranks they need (O(n),
+    no full sort)."""
+    n = len(values)
+    if n == 0:
+        return [None for _ in qs]
+    ranks = sorted({r for q in qs for r in (int(math.floor(q * (n - 1))),
+                                            min(int(math.floor(q * (n - 1))) + 1, n - 1))})
+    part = np.partition(values, ranks)
+    out = []
+    for q in qs:
+        pos = q * (n - 1)
+        lo = int(math.floor(pos))
+        a, b = float(part[lo]), float(part[min(lo + 1, n - 1)])
+        out.append(a + (b - a) * (pos - lo))
+    return out
+
+
 class SinceStart:
     """Every value of one metric since the start, kept sorted: new values wait in ``pending``
     and are merged (``np.insert`` at their sorted places: one copy of the array) when a
@@ -140,7 +158,8 @@ def micro_quantiles(hists: list, qs=QS) -> list[float | None]:
     for h in hists:
         h.big.quantiles((0.0,))  # merges what waits
         bigs.append(h.big.sorted)
-    big = np.sort(np.concatenate(bigs)) if len(bigs) > 1 else bigs[0]
+    big = bigs[0] if len(bigs) == 1 else (
+        np.sort(np.concatenate(bigs)) if any(len(b) for b in bigs) else np.empty(0))
     total = n + len(big)
     if total == 0:
         return [None for _ in qs]
@@ -171,7 +190,8 @@ def _zeros() -> dict:
 
 
 PER_REQUEST = ("ttft", "tpot", "lateness")
-SINCE_EVERY_S = 10.0  # since-start figures of the per-request metrics: recomputed this often
+SINCE_EVERY_S = 10.0  # since-start quantiles of a long run: recomputed this often (they move
+SINCE_CHEAP = 100_000  # slowly); below this many requests, at every summary (a cheap merge)
 
 
 class KeyStats:
@@ -218,14 +238,15 @@ class KeyStats:
         out = {"window": _figures(win, span_s), "since": _figures(self.counts, since_s)}
         for m in PER_REQUEST:
             w = np.concatenate(vals[m]) if vals[m] else np.empty(0)
-            out["window"][m] = quantiles(np.sort(w))
+            out["window"][m] = quantiles_of(w)
         out["window"]["itl"] = micro_quantiles([self.itl_window])
-        mono = time.monotonic()
-        if self._since_q is None or mono - self._since_q[0] >= SINCE_EVERY_S:
+        mono = now_ns / 1e9
+        small = len(self.since["ttft"]) < SINCE_CHEAP
+        if small or self._since_q is None or mono - self._since_q[0] >= SINCE_EVERY_S:
             q = {m: self.since[m].quantiles() for m in PER_REQUEST}
             q["itl"] = micro_quantiles([self.itl_window, self.itl_archive])
             self._since_q = (mono, q)
-        out["since"].update(self._since_q[1])
+        out["since"].update(self._since_q[1], quantiles_age_s=mono - self._since_q[0])
         return out
 
 
@@ -238,9 +259,12 @@ def _figures(c: dict, span_s: float) -> dict:
             "hit_ratio": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else None}
 
 
-def _np(col: pa.ChunkedArray | pa.Array, fill=np.nan) -> np.ndarray:
-    return pc.fill_null(col, fill).to_numpy(zero_copy_only=False).astype(np.float64) \
-        if col.null_count else col.to_numpy(zero_copy_only=False).astype(np.float64)
+def _np(col: pa.Array, fill: float = np.nan) -> np.ndarray:
+    """A numeric column as float64, nulls as ``fill``."""
+    a = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+    if col.null_count and not np.isnan(fill):
+        a = np.where(np.isnan(a), fill, a)
+    return a
 
 
 def derive(batch: pa.RecordBatch, slo: dict) -> dict:
@@ -258,7 +282,8 @@ def derive(batch: pa.RecordBatch, slo: dict) -> dict:
     n_tok = _np(batch.column("completion_tokens"), 0)
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(n_tok > 1, (e2e - ttft) / (n_tok - 1), np.nan)
-    late = (_np(batch.column("t_sent")) - _np(batch.column("t_scheduled"))) / 1e6
+    # epoch ns exceed a float's exact range: subtract as integers first
+    late = _np(pc.subtract(batch.column("t_sent"), batch.column("t_scheduled"))) / 1e6
     prompt = _np(batch.column("prompt_tokens"))
     cached = _np(batch.column("cached_tokens"))
     both = ~np.isnan(prompt) & ~np.isnan(cached)
@@ -321,14 +346,16 @@ def _groups(ep_col: pa.Array, cls_col: pa.Array):
 class LiveStats:
     """One per load process (and one on a distributed run's master, fed by its workers)."""
 
-    def __init__(self, slo: dict | None = None, window_s: float = WINDOW_S) -> None:
+    def __init__(self, slo: dict | None = None, window_s: float = WINDOW_S,
+                 clock=time.time_ns) -> None:
         self.slo = {k: dict(v) for k, v in (slo or {}).items()}
         self.window_s = window_s
         self.keys: dict[tuple, KeyStats] = {}
         self.stages: dict[int, dict] = {}  # stage -> done, errors
         self.inbox: collections.deque = collections.deque()  # batches from the sink's thread
         self.outbox: list = []  # a worker's derived chunks for the master
-        self.t0_ns = time.time_ns()
+        self.clock = clock  # epoch ns (a bench replays time faster)
+        self.t0_ns = clock()
         self.recent_ttft: collections.deque = collections.deque(maxlen=RECENT_TTFT)
         self.state: dict = {}  # in flight, dropped, stage now (this process)
         self.remote_state: dict[str, dict] = {}  # a master's: per worker
@@ -343,7 +370,7 @@ class LiveStats:
     def drain(self, keep_for_master: bool = False) -> None:
         """Derive what the sink queued."""
         t = time.thread_time()
-        now = time.time_ns()
+        now = self.clock()
         while self.inbox:
             derived = derive(self.inbox.popleft(), self.slo)
             self.add(now, derived)
@@ -364,11 +391,11 @@ class LiveStats:
 
     # -- the master side
     def add_remote(self, data: dict) -> None:
-        self.add(time.time_ns(), _unwire(data))
+        self.add(self.clock(), _unwire(data))
 
     # -- the views
     def summary(self) -> dict:
-        now = time.time_ns()
+        now = self.clock()
         since_s = (now - self.t0_ns) / 1e9
         rows = []
         for (ep, cls), ks in sorted(self.keys.items()):
@@ -389,7 +416,7 @@ class LiveStats:
 
     def progress(self) -> dict:
         """What kvbench run's progress line needs from this process (cheap: no sort)."""
-        return {"t_ns": time.time_ns(), "pid": os.getpid(), "state": self.state,
+        return {"t_ns": self.clock(), "pid": os.getpid(), "state": self.state,
                 "stages": {str(k): v for k, v in self.stages.items()},
                 "ttft_ms_recent": np.round(np.fromiter(self.recent_ttft, float), 3).tolist()}
 
