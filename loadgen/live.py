@@ -29,7 +29,7 @@ from kvbench.runs.progress import live_path
 WINDOW_S = 30.0  # the sliding window of the "now" figures (by completion time)
 TICK_S = 1.0  # how often queued batches are derived (and the progress file rewritten)
 QS = (0.5, 0.9, 0.99)
-METRICS = ("ttft", "tpot", "itl", "lateness")  # ms; lateness = t_sent - t_scheduled
+METRICS = ("ttft", "tpot", "itl", "lateness")  # lateness = t_sent - t_scheduled
 LIVE_MSG = "kvbench_live"  # worker -> master: derived arrays of a tick
 LIVE_STATE_MSG = "kvbench_live_state"  # worker -> master: in flight / dropped / stage now
 RECENT_TTFT = 1000  # TTFT values a progress file carries (kvbench run's p50 over processes)
@@ -115,9 +115,8 @@ class MicroHist:
         self.big = SinceStart()
 
     @classmethod
-    def split(cls, ms: np.ndarray) -> tuple:
-        """ms values -> (the small ones in us, the large ones in us as float)."""
-        us = np.rint(ms * 1e3).astype(np.int64)
+    def split(cls, us: np.ndarray) -> tuple:
+        """Integer us values -> (the small ones, the large ones as float)."""
         small = us < cls.BINS
         return us[small], us[~small].astype(np.float64)
 
@@ -207,7 +206,7 @@ class KeyStats:
         self._since_q: tuple[float, dict] | None = None
 
     def add(self, t_ns: int, arrays: dict, counts: dict) -> None:
-        part = MicroHist.split(arrays["itl"])
+        part = MicroHist.split(arrays["itl_us"])
         self.window.append((t_ns, arrays, counts, part))
         for m in PER_REQUEST:
             self.since[m].add(arrays[m])
@@ -294,9 +293,12 @@ def derive(batch: pa.RecordBatch, slo: dict) -> dict:
     row_of = np.repeat(np.arange(len(lens)), lens)
     gap_row = row_of[1:]
     gap_ok = gap_row == row_of[:-1]
-    gaps = np.diff(flat) / 1e6 if len(flat) > 1 else np.empty(0)
+    # to the nearest microsecond, in integers (ns offsets are exact there)
+    gaps = (np.diff(flat) + 500) // 1000 if len(flat) > 1 else np.empty(0, np.int64)
+    ok_gap = gap_ok & ok[gap_row] if len(gaps) else np.empty(0, bool)
+    groups = list(_groups(batch.column("endpoint"), batch.column("request_class")))
     out = {}
-    for key, rows in _groups(batch.column("endpoint"), batch.column("request_class")):
+    for key, rows in groups:
         r_ok = rows & ok
         met = r_ok.copy()
         limits = slo.get(key[1]) or {}
@@ -309,9 +311,9 @@ def derive(batch: pa.RecordBatch, slo: dict) -> dict:
                     fine |= np.isnan(v)
                 met &= fine
         finished = rows & ~cancelled
-        g = gap_ok & r_ok[gap_row] if len(gaps) else np.empty(0, bool)
+        g = ok_gap if len(groups) == 1 else ok_gap & rows[gap_row]
         arrays = {"ttft": ttft[r_ok & ~np.isnan(ttft)], "tpot": tpot[r_ok & ~np.isnan(tpot)],
-                  "itl": gaps[g] if len(gaps) else np.empty(0),
+                  "itl_us": gaps[g],
                   "lateness": late[rows & ~np.isnan(late)]}
         counts = {"done": int(rows.sum()), "ok": int(r_ok.sum()),
                   "errors": int((finished & ~ok).sum()), "cancelled": int((rows & cancelled).sum()),
@@ -421,14 +423,17 @@ class LiveStats:
                 "ttft_ms_recent": np.round(np.fromiter(self.recent_ttft, float), 3).tolist()}
 
 
+_WIRE = {"ttft": np.float64, "tpot": np.float64, "lateness": np.float64, "itl_us": np.int64}
+
+
 def _wire(derived: dict) -> dict:
     """Derived chunks as msgpack-able data (arrays as float64 bytes)."""
-    return {"keys": [[k[0], k[1], {m: a.astype(np.float64).tobytes() for m, a in arrays.items()},
+    return {"keys": [[k[0], k[1], {m: a.astype(_WIRE[m]).tobytes() for m, a in arrays.items()},
                       counts] for k, (arrays, counts) in derived.items()]}
 
 
 def _unwire(data: dict) -> dict:
-    return {(ep, cls): ({m: np.frombuffer(b, np.float64) for m, b in arrays.items()}, counts)
+    return {(ep, cls): ({m: np.frombuffer(b, _WIRE[m]) for m, b in arrays.items()}, counts)
             for ep, cls, arrays, counts in data["keys"]}
 
 

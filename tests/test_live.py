@@ -48,7 +48,8 @@ def test_microsecond_histogram_is_exact_with_a_window_leaving(batches, keep):
     """Window + archive (what left it) = since start; both exact over us-rounded values,
     values above the histogram's range (0.52 s) included."""
     win, arch = live.MicroHist(), live.MicroHist()
-    parts = [live.MicroHist.split(np.asarray(b, float)) for b in batches]
+    parts = [live.MicroHist.split(np.rint(np.asarray(b, float) * 1e3).astype(np.int64))
+             for b in batches]
     for p in parts:
         win.add(p)
     gone = parts[:max(0, len(parts) - keep)]
@@ -104,10 +105,10 @@ def test_live_summary_matches_the_reports_definitions():
 def test_window_forgets_what_left_it():
     ks = live.KeyStats()
     now = time.time_ns()
-    old = {"ttft": np.array([1000.0]), "tpot": np.array([50.0]), "itl": np.array([900.0]),
+    old = {"ttft": np.array([1000.0]), "tpot": np.array([50.0]), "itl_us": np.array([900_000]),
            "lateness": np.array([5.0])}
     new = {"ttft": np.array([10.0, 20.0]), "tpot": np.array([5.0]),
-           "itl": np.array([1.0, 2.0, 3.0]), "lateness": np.array([0.5])}
+           "itl_us": np.array([1000, 2000, 3000]), "lateness": np.array([0.5])}
     c = dict(live._zeros(), done=1, ok=1)
     ks.add(now - int(60e9), old, c)
     ks.add(now, new, dict(c, done=2, ok=2))
