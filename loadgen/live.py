@@ -27,7 +27,8 @@ import pyarrow.compute as pc
 from kvbench.runs.progress import live_path
 
 WINDOW_S = 30.0  # the sliding window of the "now" figures (by completion time)
-TICK_S = 1.0  # how often queued batches are derived (and the progress file rewritten)
+TICK_S = 0.5  # how often queued batches are derived (a worker sends them to the master)
+PROGRESS_TICKS = 2  # the progress file is rewritten every this many ticks (a second)
 QS = (0.5, 0.9, 0.99)
 METRICS = ("ttft", "tpot", "itl", "lateness")  # lateness = t_sent - t_scheduled
 LIVE_MSG = "kvbench_live"  # worker -> master: derived arrays of a tick
@@ -387,7 +388,11 @@ class LiveStats:
                 for k in st:
                     st[k] += counts[k]
                 continue
-            self.keys.setdefault(key, KeyStats()).add(t_ns, arrays, counts)
+            ks = self.keys.get(key)
+            if ks is None:
+                ks = self.keys[key] = KeyStats()
+            ks.add(t_ns, arrays, counts)
+            ks.trim(t_ns, self.window_s)  # unwatched, the window still forgets
             if len(arrays["ttft"]):
                 self.recent_ttft.extend(arrays["ttft"][-RECENT_TTFT:].tolist())
 
@@ -577,6 +582,8 @@ def attach(ctx) -> LiveStats:
     worker = isinstance(runner, WorkerRunner)
     path = live_path(ctx.run_dir) if job_file_given(env) else None
 
+    ticks = [0]
+
     def tick() -> None:
         while True:
             gevent.sleep(TICK_S)
@@ -594,7 +601,8 @@ def attach(ctx) -> LiveStats:
                         runner.send_message(LIVE_MSG, data)
                     stats.outbox = []
                     runner.send_message(LIVE_STATE_MSG, stats.state)
-                if path is not None and not ctx.sink.closed:
+                ticks[0] += 1
+                if path is not None and not ctx.sink.closed and ticks[0] % PROGRESS_TICKS == 0:
                     _write_json(path, stats.progress())
             except Exception:  # noqa: BLE001 - watching must never break the load
                 import logging

@@ -21,7 +21,7 @@ import numpy as np
 from kvbench.core.store import shard_stem
 
 LIVE_PREFIX = "live-"
-POLL_S = 1.0
+POLL_S = 0.5
 BAR = 20  # characters of the bar
 
 
@@ -43,19 +43,22 @@ def read_live(run_dir: Path | str) -> list[dict]:
     return out
 
 
-def line(job, lives: list[dict], now_ns: int | None = None) -> str | None:
-    """The progress line of ``job`` from its processes' live files (None before any)."""
+def line(job, lives: list[dict], now_ns: int | None = None,
+         ended: dict | None = None) -> str | None:
+    """The progress line of ``job`` from its processes' live files (None before any);
+    ``ended``: a stage that has just ended (its line once more, with the latest counts)."""
     if not lives:
         return None
     now_ns = now_ns or time.time_ns()
-    opened = [d["state"].get("open_stage") for d in lives
-              if isinstance(d.get("state"), dict) and d["state"].get("open_stage")]
-    if not opened:
+    opened = _open(lives)
+    if not opened and ended is None:
         return None
-    st = max(opened, key=lambda s: s.get("index", 0))
+    st = ended or opened
     index = int(st.get("index", 0))
     planned = float(st.get("duration_s") or 0.0)
     elapsed = max(0.0, (now_ns - int(st.get("t_start_ns") or now_ns)) / 1e9)
+    if ended is not None:
+        elapsed = min(elapsed, planned)
     done = errors = 0
     for d in lives:
         c = (d.get("stages") or {}).get(str(index)) or {}
@@ -87,7 +90,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread = None
         self._last = ""
-        self._stage = None
+        self._stage = None  # the open stage of the line on screen
 
     def __enter__(self) -> "Progress":
         if self.enabled:
@@ -113,15 +116,27 @@ class Progress:
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                text = line(self.job, read_live(self.run_dir))
+                lives = read_live(self.run_dir)
+                text = line(self.job, lives)
+                if text is None:
+                    continue
+                st = _open(lives)
+                if self._stage is not None and st.get("index") != self._stage.get("index"):
+                    self._draw(line(self.job, lives, ended=self._stage) or self._last)
+                    self._write("\n")  # the stage that ended keeps its line
+                    self._last = ""
+                self._stage = st
+                self._draw(text)
             except Exception:  # noqa: BLE001 - a progress line must never fail the run
                 continue
-            if text is None or text == self._last:
-                continue
-            stage = text.split("[", 1)[0]
-            if self._last and stage != self._stage:
-                self._write("\n")  # the previous stage's last line stays
-            self._stage = stage
-            pad = max(0, len(self._last) - len(text))
-            self._write("\r" + text + " " * pad)
+
+    def _draw(self, text: str) -> None:
+        if text != self._last:
+            self._write("\r" + text + " " * max(0, len(self._last) - len(text)))
             self._last = text
+
+
+def _open(lives: list[dict]) -> dict:
+    opened = [d["state"].get("open_stage") for d in lives
+              if isinstance(d.get("state"), dict) and d["state"].get("open_stage")]
+    return max(opened, key=lambda s: s.get("index", 0)) if opened else {}
