@@ -13,6 +13,7 @@ summary is exact over every worker's requests. ``bench/live_cost.py`` measures t
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import math
@@ -581,6 +582,8 @@ def attach(ctx) -> LiveStats:
     runner = env.runner
     worker = isinstance(runner, WorkerRunner)
     path = live_path(ctx.run_dir) if job_file_given(env) else None
+    if path is not None:  # gone with the process (kvbench run also sweeps them after a job)
+        atexit.register(path.unlink, missing_ok=True)
 
     ticks = [0]
 

@@ -205,6 +205,7 @@ def test_progress_is_quiet_unless_a_terminal(tmp_path):
     with progress.Progress(job(), tmp_path, stream=quiet, poll_s=0.01):
         time.sleep(0.2)
     assert quiet.getvalue() == ""
+    live_file(tmp_path, "a", 0, 3, 0, [10.0], time.time_ns())
     tty = Tty()
     with progress.Progress(job(), tmp_path, stream=tty, poll_s=0.01) as p:
         for _ in range(500):
@@ -220,3 +221,4 @@ def test_progress_is_quiet_unless_a_terminal(tmp_path):
     assert out.startswith("\r  stage 1/2") and "3 done" in out
     assert "\n\r  stage 2/2" in out and out.endswith("\n")  # stage 1's line stays
     assert p.enabled
+    assert not list(tmp_path.glob("live-*.json"))  # swept once the job is over

@@ -105,6 +105,8 @@ class Progress:
             self._thread.join(5)
             if self._last:
                 self._write("\n")
+        for p in self.run_dir.glob(f"{LIVE_PREFIX}*.json"):  # the job's processes are gone
+            p.unlink(missing_ok=True)
 
     def _write(self, text: str) -> None:
         try:
