@@ -102,7 +102,8 @@ def main(argv=None) -> None:
         shares.append(spent / a.seconds)
         print(f"  {n} requests, {summaries} summaries: CPU {spent:.3f} s = "
               f"{100 * spent / a.seconds:.3f}% of a core (last minute "
-              f"{100 * last / min(60, a.seconds):.3f}%; deriving {100 * derive_s / a.seconds:.3f}%)")
+              f"{100 * last / min(60, a.seconds):.3f}%; deriving "
+              f"{100 * derive_s / a.seconds:.3f}%)")
     print(f"median {100 * float(np.median(shares)):.3f}% of a core, "
           f"min {100 * min(shares):.3f}%")
 

@@ -5,8 +5,9 @@ write beside the records (engine KV usage, queue, prefix hits; GPU SM and HBM by
 
 Nothing here runs per request: the record sink hands each Arrow batch it wrote (about twice a
 second) to ``LiveStats.tap``, which only queues it; a greenlet turns the queued batches into
-numpy arrays once a second. Percentiles are taken from the records' own values (sorted arrays,
-numpy's linear interpolation, as the reports do), never from Locust's rounded histogram.
+numpy arrays every ``TICK_S``. Percentiles are numpy's linear ones over the records' own values
+(as the reports take them), never Locust's rounded histogram: TTFT, TPOT and lateness as exact
+floats, ITL (tens of thousands of gaps a second) as exact counts per microsecond.
 A worker sends what it derived to the master (``kvbench_live`` messages), so the master's
 summary is exact over every worker's requests. ``bench/live_cost.py`` measures the cost.
 """
@@ -31,11 +32,9 @@ WINDOW_S = 30.0  # the sliding window of the "now" figures (by completion time)
 TICK_S = 0.5  # how often queued batches are derived (a worker sends them to the master)
 PROGRESS_TICKS = 2  # the progress file is rewritten every this many ticks (a second)
 QS = (0.5, 0.9, 0.99)
-METRICS = ("ttft", "tpot", "itl", "lateness")  # lateness = t_sent - t_scheduled
 LIVE_MSG = "kvbench_live"  # worker -> master: derived arrays of a tick
 LIVE_STATE_MSG = "kvbench_live_state"  # worker -> master: in flight / dropped / stage now
 RECENT_TTFT = 1000  # TTFT values a progress file carries (kvbench run's p50 over processes)
-ERRORS = ("http_error", "timeout", "disconnected", "protocol_error")
 
 
 def quantiles(sorted_values: np.ndarray, qs=QS) -> list[float | None]:
