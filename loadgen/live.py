@@ -34,6 +34,7 @@ PROGRESS_TICKS = 2  # the progress file is rewritten every this many ticks (a se
 QS = (0.5, 0.9, 0.99)
 LIVE_MSG = "kvbench_live"  # worker -> master: derived arrays of a tick
 LIVE_STATE_MSG = "kvbench_live_state"  # worker -> master: in flight / dropped / stage now
+LIVE_WANTED_MSG = "kvbench_live_wanted"  # master with a web UI -> workers: send your values
 RECENT_TTFT = 1000  # TTFT values a progress file carries (kvbench run's p50 over processes)
 
 
@@ -590,7 +591,9 @@ def attach(ctx) -> LiveStats:
         while True:
             gevent.sleep(TICK_S)
             try:
-                stats.drain(keep_for_master=worker)
+                # a worker sends its values only to a master with a web UI (it says so)
+                send = worker and getattr(env, "kvbench_live_wanted", False)
+                stats.drain(keep_for_master=send)
                 d = ctx.dispatcher
                 in_flight = d.in_flight if d is not None else max(
                     0, ctx.sink.started - ctx.sink.written - len(ctx.sink))
@@ -598,7 +601,7 @@ def attach(ctx) -> LiveStats:
                                "dropped_at_cap": d.dropped_at_cap if d is not None else 0,
                                "open_stage": ctx.sink.meta.get("open_stage"),
                                "pacing": ctx.pacing}
-                if worker:
+                if send:
                     for data in stats.outbox:
                         runner.send_message(LIVE_MSG, data)
                     stats.outbox = []
@@ -623,6 +626,14 @@ def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, separators=(",", ":")))
     os.replace(tmp, path)
+
+
+def listen_as_worker(environment) -> None:
+    """A worker sends its live values once its master asks (a master with a web UI)."""
+    def on_wanted(environment, msg, **kw) -> None:
+        environment.kvbench_live_wanted = True
+
+    environment.runner.register_message(LIVE_WANTED_MSG, on_wanted)
 
 
 def attach_master(environment, slo: dict | None, run_dir: Path | None) -> LiveStats:

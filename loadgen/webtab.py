@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from locust import events
-from locust.runners import MasterRunner
+from locust.runners import MasterRunner, WorkerRunner
 
 from kvbench.loadgen import live
 
@@ -147,11 +147,20 @@ def on_init(environment, web_ui=None, **kw) -> None:
     if not has_kvbench_options(getattr(environment, "parsed_options", None)):
         return
     runner = environment.runner
-    if isinstance(runner, MasterRunner):
-        live.attach_master(environment, _slo(environment), None)
+    if isinstance(runner, WorkerRunner):
+        live.listen_as_worker(environment)
     ui = web_ui or getattr(environment, "web_ui", None)
+    if isinstance(runner, MasterRunner) and ui is not None:
+        live.attach_master(environment, _slo(environment), None)
+        environment.events.test_start.add_listener(_ask_workers)
     if ui is not None:
         WebTab(environment).install(ui)
+
+
+def _ask_workers(environment, **kw) -> None:
+    """The workers of a master with a web UI send their live values (a headless master's
+    workers send only their small state: nobody would read the rest)."""
+    environment.runner.send_message(live.LIVE_WANTED_MSG, True)
 
 
 def _run_dir(environment) -> Path | None:
