@@ -20,6 +20,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from kvbench.core import redact
 from kvbench.core.errors import UserError
 from kvbench.core.store import START_COLUMNS, worker_name
+from kvbench.loadgen import live
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from kvbench.loadgen.looplag import LoopLag
 from kvbench.loadgen.prefetch import Prefetch
@@ -85,6 +86,7 @@ class LoadContext:
         # 5 ms switch interval that thread held the GIL for up to 5 ms at a time while the
         # loop waited to read chunks. 0.5 ms bounds each wait (handoffs cost ~us).
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+        self.live = live.attach(self)  # the web UI's kvbench tab, kvbench run's progress
         self.stopping = gevent.event.Event()  # set when the stage ends: start nothing new
         self.dispatched = gevent.event.Event()  # open loop: the dispatcher is done
         self.interrupted: str | None = None  # set by the quitting hook: which signal

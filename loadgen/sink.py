@@ -79,6 +79,7 @@ class RecordSink:
         self._cols: list[list] = [[] for _ in COLUMNS]
         self._lock = threading.Lock()  # one batch at a time (thread pool vs final flush)
         self._pending = None  # the thread-pool flush in progress
+        self.taps: list = []  # called with each requests batch written (live.py), any thread
         self._loop = None
         self.closed = False
         self.started = 0  # requests started: the caller counts them with ``begin``
@@ -135,9 +136,11 @@ class RecordSink:
                 self._starts_shard.write(pa.RecordBatch.from_arrays(
                     [pa.array(c, type=f.type) for c, f in zip(starts, STARTS)], schema=STARTS))
             if cols is not None:
-                n = self._shard.write(pa.RecordBatch.from_arrays(
-                    [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)],
-                    schema=REQUESTS))
+                batch = pa.RecordBatch.from_arrays(
+                    [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)], schema=REQUESTS)
+                n = self._shard.write(batch)
+                for tap in self.taps:
+                    tap(batch)
                 self.written += n
             if meta is not None:
                 self._write_meta(meta)

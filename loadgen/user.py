@@ -10,6 +10,7 @@ from locust.exception import StopUser
 
 from kvbench.core.errors import UserError
 from kvbench.loadgen import hooks  # noqa: F401 - registers the event listeners
+from kvbench.loadgen import webtab  # noqa: F401 - the web UI's kvbench tab
 from kvbench.loadgen.context import fail, get_context, quit_soon
 
 

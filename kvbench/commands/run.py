@@ -53,7 +53,7 @@ def run(args) -> int:
     from kvbench.config import load_config
     from kvbench.config.parse import classes_without_slo
     from kvbench.core import store
-    from kvbench.runs import builtin, finalize, locust, matrix, preflight, telemetry
+    from kvbench.runs import builtin, finalize, locust, matrix, preflight, progress, telemetry
     from kvbench.workloads.registry import make_workload
 
     cfg_path = Path(args.config)
@@ -110,7 +110,8 @@ def run(args) -> int:
             label = job.label()
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
-            out = locust.run(job, args.processes)
+            with progress.Progress(job, run_dir):  # quiet unless stdout is a terminal
+                out = locust.run(job, args.processes)
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
