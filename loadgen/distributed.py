@@ -49,14 +49,25 @@ def add_arguments(parser) -> None:
         "--kvbench-ship-records", env_var="KVBENCH_SHIP_RECORDS", action="store_true",
         default=False, help="workers send their records to the master over Locust's messages "
                             "(no shared results directory); set it on the master")
-    parser.add_argument("--kvbench-job-text", default="", include_in_web_ui=False,
-                        help=argparse_suppress())
+    for name in TRAVELLING.values():
+        parser.add_argument(f"--{name.replace('_', '-')}", default="", include_in_web_ui=False,
+                            help=argparse_suppress())
+
+
+# option naming a file the master reads -> the option its text travels in to the workers
+TRAVELLING = {"kvbench_job": "kvbench_job_text", "kvbench_config": "kvbench_config_text"}
 
 
 def argparse_suppress():
     import argparse
 
     return argparse.SUPPRESS
+
+
+def spool_base() -> Path:
+    """Where a worker keeps its own copy of its records: ``$KVBENCH_SPOOL``, else a folder of
+    the temporary directory (never the master's results directory)."""
+    return Path(os.environ.get("KVBENCH_SPOOL") or Path(tempfile.gettempdir()) / "kvbench-spool")
 
 
 def shipping(environment) -> bool:
@@ -79,9 +90,7 @@ class Forwarder:
         if not shipping(self.environment):
             return None
         if self.dir is None:
-            base = Path(os.environ.get("KVBENCH_SPOOL") or
-                        Path(tempfile.gettempdir()) / "kvbench-spool")
-            self.dir = base / Path(run_dir).name / shard_stem()
+            self.dir = spool_base() / Path(run_dir).name / shard_stem()
             self.outbox = T.Outbox(worker_name())
             self._sender = gevent.spawn(self._send_loop)
         return self.dir
@@ -262,11 +271,12 @@ def on_init(environment, **kw) -> None:
         runner.register_message(T.RECORDS_MSG, recv.on_records)
         runner.register_message(T.PONG_MSG, recv.on_pong)
         o = environment.parsed_options
-        if o is not None and shipping(environment) and getattr(o, "kvbench_job", ""):
-            try:  # workers on other hosts have no copy of the job file: it travels inline
-                o.kvbench_job_text = Path(o.kvbench_job).read_text()
-            except OSError:
-                pass  # the workers report the missing file
+        for opt, text_opt in TRAVELLING.items():
+            if o is not None and shipping(environment) and getattr(o, opt, ""):
+                try:  # workers on other hosts have no copy of the file: its text travels
+                    setattr(o, text_opt, Path(getattr(o, opt)).read_text())
+                except OSError:
+                    pass  # the workers report the missing file
         # registered now, after kvbench's own (at import): fired before it (in reverse)
         environment.events.quitting.add_listener(_master_quitting)
 
@@ -280,14 +290,13 @@ def on_test_start(environment, **kw) -> None:
             recv.start_pings()
     elif isinstance(runner, WorkerRunner) and shipping(environment):
         o = environment.parsed_options
-        text = getattr(o, "kvbench_job_text", "")
-        if text and getattr(o, "kvbench_job", "") and not Path(o.kvbench_job).exists():
-            base = Path(os.environ.get("KVBENCH_SPOOL") or
-                        Path(tempfile.gettempdir()) / "kvbench-spool")
-            path = base / f"job-{shard_stem()}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            o.kvbench_job = str(path)
+        for opt, text_opt in TRAVELLING.items():
+            text, given = getattr(o, text_opt, ""), getattr(o, opt, "")
+            if text and given:  # the master's file, whether or not this host has one
+                path = spool_base() / f"{shard_stem()}-{Path(given).name}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                setattr(o, opt, str(path))
 
 
 def _master_quitting(environment, **kw) -> None:

@@ -248,17 +248,21 @@ class Inbox:
         out = {"batches": st.batches, "records": st.records, "starts": st.starts,
                "duplicates": st.duplicates, "bytes": st.bytes, "closed": st.closed,
                "lost": st.lost is not None, "clock_offset_ns": self.offset(st),
-               "clock_rtt_ns": st.clock.rtt_ns, "clock_samples": st.clock.samples,
+               "clock_rtt_ns": st.clock.rtt_ns,
+               "clock_estimate_ns": st.clock.offset_add_ns, "clock_samples": st.clock.samples,
                "host": host}
         if st.lost is not None:
             out.update(missing=st.lost["missing"], lost_why=st.lost["why"])
         return out
 
     def offset(self, st: WorkerState) -> int | None:
-        """ns to add to the worker's times; 0 on the master's own host (one clock)."""
-        if self.master_host and st.name.rpartition(":")[0] == self.master_host:
-            return 0
-        return st.clock.offset_add_ns
+        """ns to add to the worker's times (None: never measured): the estimate, or 0 where
+        it is within its error bound (half the round trip), as for workers on the master's
+        own host, whose clock is the master's."""
+        est, rtt = st.clock.offset_add_ns, st.clock.rtt_ns
+        if est is None:
+            return None
+        return est if abs(est) > (rtt or 0) // 2 else 0
 
     def pong(self, msg: dict, t1_ns: int) -> None:
         try:
