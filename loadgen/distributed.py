@@ -40,6 +40,7 @@ log = logging.getLogger("kvbench.loadgen")
 SEND_INTERVAL_S = 0.2  # a batch waits at most this long before it is sent
 ACK_WAIT_S = 20.0  # at its close, how long a worker waits for the master's last acknowledgement
 PING_INTERVAL_S = 1.0
+ACK_LINGER_S = 1.5  # the master serves this long after its last worker closed
 DRAIN_WAIT_S = 15.0  # beyond the drain, how long the master waits for its workers' last batches
 
 
@@ -128,7 +129,7 @@ class Forwarder:
         runner = self.environment.runner
         deadline = time.monotonic() + ACK_WAIT_S
         self._send(self.outbox.take())
-        resend = time.monotonic() + 1.0
+        resend = time.monotonic() + 0.5
         while self.outbox.pending() and time.monotonic() < deadline:
             if _listening(runner):
                 gevent.sleep(0.05)
@@ -136,7 +137,7 @@ class Forwarder:
                 _read_own(runner.client, 0.1, {T.ACK_MSG: self.on_ack,
                                                T.PING_MSG: _on_ping}, self.environment)
             if time.monotonic() >= resend:
-                resend = time.monotonic() + 1.0
+                resend = time.monotonic() + 0.5
                 self._send(self.outbox.resend_all())
         left = self.outbox.pending()
         if left:
@@ -201,6 +202,10 @@ class Receiver:
         except ValueError as exc:
             log.error("kvbench: a records message from %s dropped: %s", msg.node_id, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - not acknowledged: the worker sends it again
+            log.error("kvbench: a records batch from %s not written (%s); waiting for it "
+                      "again", msg.node_id, exc)
+            return
         try:
             environment.runner.server.send_to_client(_message(T.ACK_MSG, {"seqs": [seq]},
                                                               msg.node_id))
@@ -242,11 +247,19 @@ class Receiver:
                     self.inbox.declare_lost(st, f"no message for {now - st.last_seen:.1f} s")
                     log.error("kvbench: worker %s lost: %d of its requests missing", st.name,
                               st.lost["missing"])
-            if _listening(runner):
-                gevent.sleep(0.05)
-            else:
-                _read_own(runner.server, 0.1, handlers, self.environment)
+            self._serve(handlers, 0.1)
+        # the last acknowledgements are queued in ZeroMQ's I/O thread, which an exit would drop:
+        # keep serving a moment (a worker that missed one sends its batch again meanwhile)
+        linger = time.monotonic() + ACK_LINGER_S
+        while time.monotonic() < linger:
+            self._serve(handlers, 0.1)
         self.inbox.close()
+
+    def _serve(self, handlers: dict, timeout_s: float) -> None:
+        if _listening(self.environment.runner):
+            gevent.sleep(timeout_s / 2)
+        else:
+            _read_own(self.environment.runner.server, timeout_s, handlers, self.environment)
 
 
 def _message(kind: str, data, node: str):
@@ -290,6 +303,9 @@ def on_test_start(environment, **kw) -> None:
             recv.start_pings()
     elif isinstance(runner, WorkerRunner) and shipping(environment):
         o = environment.parsed_options
+        # what a worker writes of its own (its job file, spool) stays on its own disk: the
+        # results directory the master named is the master's
+        o.kvbench_results = str(spool_base() / "results")
         for opt, text_opt in TRAVELLING.items():
             text, given = getattr(o, text_opt, ""), getattr(o, opt, "")
             if text and given:  # the master's file, whether or not this host has one

@@ -170,6 +170,7 @@ class Inbox:
 
     def __init__(self, run_dir: Path | str, master_host: str | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.master_host = master_host
         self.workers: dict[str, WorkerState] = {}
 
