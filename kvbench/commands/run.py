@@ -38,6 +38,22 @@ def add_parser(p) -> None:
     p.add_argument("--config", default="bench.toml", help="bench.toml (default: ./bench.toml)")
     p.add_argument("--processes", type=int, default=1,
                    help="Locust load processes per run (each writes its own records shard)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="distributed on Locust's master and N local worker processes; their "
+                        "records reach the run through the master (no shared disk needed)")
+    g.add_argument("--expect-workers", type=int, default=0, metavar="N",
+                   help="distributed: a Locust master that waits for N workers started "
+                        "elsewhere (locust -f \"$(kvbench locustfile job)\" --worker "
+                        "--master-host HOST --master-port PORT), once per Locust run")
+    p.add_argument("--master-bind-host", default=None, metavar="HOST",
+                   help="address the master listens on (default 127.0.0.1 with --workers, "
+                        "0.0.0.0 with --expect-workers)")
+    p.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                   help="the master's port (default: a free one with --workers, 5557 with "
+                        "--expect-workers)")
+    p.add_argument("--workers-wait", type=float, default=600.0, metavar="S",
+                   help="how long the master waits for its workers to connect (default 600)")
     p.add_argument("--results-dir", default=None, help="override suite.results_dir")
     p.add_argument("--run-id", default=None, help="run id (default: time, suite and pid)")
     p.add_argument("--endpoint", action="append", default=None, metavar="NAME",
@@ -62,6 +78,7 @@ def run(args) -> int:
         raise UserError("--processes must be at least 1")
     if args.duration_scale <= 0:
         raise UserError("--duration-scale must be positive, e.g. 0.5")
+    dist = distributed(args)
     sel = matrix.select(cfg, endpoints=args.endpoint, workloads=args.workload,
                         profile=args.profile, where=str(cfg_path))
     no_slo = classes_without_slo(cfg, sel.workloads)
@@ -110,7 +127,7 @@ def run(args) -> int:
             label = job.label()
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
-            out = locust.run(job, args.processes)
+            out = locust.run(job, args.processes, dist)
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
@@ -148,6 +165,34 @@ def run(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 + interrupted.signum if interrupted else 0
+
+
+def distributed(args):
+    """The distributed setting of ``kvbench run``'s flags (None: one host, ``--processes``);
+    a bad combination fails before any load."""
+    from kvbench.runs.locust import Distributed
+
+    workers = getattr(args, "workers", 0) or 0
+    expect = getattr(args, "expect_workers", 0) or 0
+    if workers < 0 or expect < 0:
+        raise UserError("--workers and --expect-workers take a positive count, e.g. 4")
+    if not (workers or expect):
+        if args.master_bind_host or args.master_port:
+            raise UserError("--master-bind-host and --master-port go with --workers or "
+                            "--expect-workers")
+        return None
+    if args.processes > 1:
+        raise UserError("--processes and --workers/--expect-workers both set how many load "
+                        "processes run; give one of them")
+    if not 0 <= args.master_port <= 65535:
+        raise UserError(f"--master-port {args.master_port}: give a TCP port, 1 to 65535")
+    if args.workers_wait <= 0:
+        raise UserError("--workers-wait must be positive, e.g. 600")
+    if workers:
+        return Distributed(workers, local=True, bind_host=args.master_bind_host or "127.0.0.1",
+                           port=args.master_port, wait_s=args.workers_wait)
+    return Distributed(expect, local=False, bind_host=args.master_bind_host or "0.0.0.0",
+                       port=args.master_port or 5557, wait_s=args.workers_wait)
 
 
 def _link_latest(results_dir: Path, run_id: str) -> None:
