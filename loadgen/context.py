@@ -21,7 +21,8 @@ from kvbench.core.store import START_COLUMNS, worker_name
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
-from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, cycle_requests, shard
+from kvbench.loadgen.pacing import (OpenLoopDispatcher, StagePlan, cycle_requests, shard,
+                                    shard_sessions)
 from kvbench.loadgen.sink import COLUMNS, RecordSink
 from kvbench.loadgen.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
@@ -190,7 +191,7 @@ class LoadContext:
         requests = (iter(self.workload.requests()) if self.pacing == "trace" else
                     cycle_requests(self.workload.requests, self.index, self.count))
         if self.pacing == "trace" and self.count > 1:
-            requests = shard(requests, self.index, self.count)
+            requests = shard_sessions(requests, self.index, self.count)  # sessions whole
         pool = ConnectionPool(self.target, read_timeout_s=self.timeout_s, cold=not self.warm)
         client = self.new_client(pool)
         if self.warm:

@@ -205,3 +205,52 @@ def test_worker_killed_mid_run_is_named_with_at_most_its_last_second_missing(end
     survivor = next(a for a in meta.workers.values() if not a["lost"])
     assert survivor["closed"] and survivor["records"] > per_worker_s * duration * 0.5
     assert json.loads((run_dir / "run.json").read_text())["workers"][name]["lost"] is True
+
+
+@settings(max_examples=60, deadline=None)
+@given(sessions=st.lists(st.one_of(st.none(), st.integers(0, 12)), max_size=80),
+       count=st.integers(1, 5))
+def test_open_loop_and_trace_shares_keep_each_session_whole(sessions, count):
+    """Split over ``count`` workers, a request stream is every request once, each session on
+    one worker in its order, sessions dealt evenly."""
+    from dataclasses import dataclass
+
+    from kvbench.loadgen.pacing import shard_sessions
+
+    @dataclass(frozen=True)
+    class Req:
+        request_id: str
+        session_id: str | None
+
+    stream = [Req(f"r{i}", None if s is None else f"s{s}") for i, s in enumerate(sessions)]
+    shares = [list(shard_sessions(iter(stream), i, count)) for i in range(count)]
+    assert sorted(r.request_id for sh in shares for r in sh) == sorted(
+        r.request_id for r in stream)
+    where = {}
+    for i, sh in enumerate(shares):
+        assert sh == [r for r in stream if r in sh]  # the stream's order
+        for r in sh:
+            if r.session_id is not None:
+                assert where.setdefault(r.session_id, i) == i  # whole on one worker
+    units = [len({r.session_id or r.request_id for r in sh}) for sh in shares]
+    assert max(units) - min(units) <= 1
+
+
+def test_agent_sessions_stay_on_one_worker_in_the_open_loop():
+    """The agent workload's requests, cycled as the open-loop dispatcher takes them."""
+    import itertools
+
+    from kvbench.config import load_config
+    from kvbench.loadgen.pacing import cycle_requests
+    from kvbench.workloads.registry import make_workload
+
+    cfg = load_config(H.ROOT / "bench.toml")
+    wl = make_workload("agent", cfg)
+    total = sum(1 for _ in wl.requests())
+    seen = {}
+    got = 0
+    for i in range(3):
+        for req in itertools.islice(cycle_requests(wl.requests, i, 3), total):
+            assert seen.setdefault(req.session_id, i) == i
+            got += 1
+    assert got >= total and len(seen) >= 3
