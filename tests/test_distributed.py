@@ -180,6 +180,10 @@ def test_master_and_two_workers_own_dirs_every_served_request_one_row(endpoint, 
     assert abs(offsets[skewed[0]] + SKEW_NS) < by_worker[skewed[0]]["clock_rtt_ns"] / 2 + 10**6
     sent = np.array(t.column("t_sent").to_pylist())
     assert meta.started_ns <= sent.min() and sent.max() <= meta.ended_ns
+    from kvbench.reports.data import _read_run  # the report's reader aligns them too
+
+    rep = np.array(_read_run(run_dir).requests.column("t_sent").to_pylist())
+    assert meta.started_ns <= rep.min() and rep.max() <= meta.ended_ns
     raw = store.read_table(run_dir, "requests", columns=["worker", "t_sent"]).to_pydict()
     assert min(s for w, s in zip(raw["worker"], raw["t_sent"]) if w == skewed[0]) < \
         meta.started_ns  # as written: 7 s early
