@@ -145,6 +145,10 @@ class Forwarder:
                       "batches; they are kept in %s", left, self.dir)
         elif self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+            try:
+                self.dir.parent.rmdir()  # the run's folder, once no other worker's is in it
+            except OSError:
+                pass
 
 
 def _on_ping(environment, msg, **kw) -> None:

@@ -102,3 +102,21 @@ def test_local_workers_and_expected_workers_give_the_same_run(endpoint, tmp_path
     assert runs["local"] == runs["remote"]  # the same requests, whichever way it ran
     # the remote workers kept nothing once the master had it all
     assert not [q for i in range(2) for q in (tmp_path / f"w{i}" / "spool").rglob("*.arrows")]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "2", "--processes", "2"], "give one of them"),
+    (["--master-port", "6000"], "go with --workers or --expect-workers"),
+    (["--workers", "-1"], "positive count"),
+    (["--expect-workers", "2"], "built-in, served on this host's loopback"),
+])
+def test_bad_distributed_flags_fail_before_any_load(tmp_path, capsys, args, says):
+    from kvbench.cli import main
+
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text((H.ROOT / "bench.toml").read_text().replace(
+        'results_dir = "results"', f'results_dir = "{tmp_path / "results"}"'))
+    assert main(["run", "--config", str(cfg), *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not (tmp_path / "results").exists()  # nothing ran

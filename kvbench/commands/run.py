@@ -86,6 +86,13 @@ def run(args) -> int:
         print(f"kvbench: warning: no SLO for request class(es) {', '.join(no_slo)} in "
               f"{cfg_path}: reports show their goodput and SLO attainment as \"no SLO\"; add "
               f"[slo.<class>] tables (ttft_ms, tpot_ms, e2e_ms) to judge them", flush=True)
+    if dist is not None and not dist.local:
+        local_only = [ep.name for ep in sel.endpoints if ep.kind == "builtin"]
+        if local_only:
+            raise UserError(f"{cfg_path}: endpoint(s) {', '.join(local_only)} are built-in, "
+                            "served on this host's loopback where workers elsewhere cannot "
+                            "reach them; run them with --workers N, or point [[endpoints]] at "
+                            "a server the workers reach (kvbench serve --host 0.0.0.0)")
     results_dir = Path(args.results_dir or cfg.suite.results_dir)
     run_id = args.run_id or store.new_run_id(cfg.suite.name)
     run_dir = results_dir / run_id
