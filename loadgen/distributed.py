@@ -238,9 +238,13 @@ class Receiver:
         fallen silent, then account for every worker (lost ones named)."""
         if self._pinger is not None:
             self._pinger.kill(block=False)
-        if self.inbox is None:
-            return
         runner = self.environment.runner
+        if self.inbox is None and not runner.clients.all:
+            return
+        inbox = self._inbox()
+        for client in list(runner.clients.all):  # connected, but no word from its sink yet
+            if not any(st.node == client.id for st in inbox.workers.values()):
+                inbox.worker(client.id, node=client.id).last_seen = time.monotonic()
         wait = DRAIN_WAIT_S + (self.environment.stop_timeout or 0)
         deadline = time.monotonic() + wait
         handlers = {T.RECORDS_MSG: self.on_records, T.PONG_MSG: self.on_pong}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import time
 
@@ -143,6 +144,13 @@ def _run(tmp_path, url, *, rate, duration, kill_after_s=None, skew=False):
           for c, d in zip(cmds, w_dirs)]
     try:
         if kill_after_s is not None:
+            # once the master holds some of its records (a busy host may take seconds to
+            # build the workload), then mid-stream
+            mine = master_dir / "results" / "dist" / f"proc-{socket.gethostname()}-{ws[1].pid}.json"
+            for _ in range(600):
+                if mine.exists() and json.loads(mine.read_text())["counts"]["records_written"]:
+                    break
+                time.sleep(0.1)
             time.sleep(kill_after_s)
             ws[1].send_signal(signal.SIGKILL)
         rc = m.wait(120)
@@ -193,7 +201,7 @@ def test_worker_killed_mid_run_is_named_with_at_most_its_last_second_missing(end
                                                                              tmp_path):
     rate, duration = 20, 8
     run_dir, _, served, ws = _run(tmp_path, endpoint, rate=rate, duration=duration,
-                                  kill_after_s=6.0)
+                                  kill_after_s=1.5)
     res = store.load_results(run_dir)
     meta = res.meta
     lost = {w: a for w, a in meta.workers.items() if a["lost"]}
@@ -258,3 +266,28 @@ def test_agent_sessions_stay_on_one_worker_in_the_open_loop():
             assert seen.setdefault(req.session_id, i) == i
             got += 1
     assert got >= total and len(seen) >= 3
+
+
+def test_a_worker_lost_before_its_first_sidecar_is_named(tmp_path):
+    """Connected to Locust, killed while it built its workload: no sidecar, still named (and
+    finalize has a closed sidecar for it, so nothing waits for one)."""
+    inbox = T.Inbox(tmp_path)
+    inbox.worker("host_abc", node="host_abc").last_seen = 0.0  # the master's placeholder
+    other = inbox.worker("h2:7", node="node-7")
+    box = T.Outbox("h2:7")
+    box.put("meta", _meta(0, 0, True))
+    inbox.receive(box.take()[0], node="node-7")
+    assert other.closed
+    inbox.close(now=10.0)
+    metas = store.read_proc_meta(tmp_path)
+    assert len(metas) == 2 and all(m["closed"] for m in metas)
+    meta = finalize.finalize(tmp_path, meta={"run_id": "r"}, expected_procs=2)
+    assert meta.workers["host_abc"]["lost"] and meta.workers["host_abc"]["missing"] == 0
+    assert not meta.workers["h2:7"]["lost"]
+    # a placeholder is dropped once its worker speaks under its own name
+    inbox2 = T.Inbox(tmp_path / "b")
+    inbox2.worker("node-9", node="node-9")
+    b2 = T.Outbox("h3:9")
+    b2.put("meta", _meta(1, 0, False))
+    inbox2.receive(b2.take()[0], node="node-9")
+    assert list(inbox2.workers) == ["h3:9"]

@@ -175,6 +175,8 @@ class Inbox:
         self.workers: dict[str, WorkerState] = {}
 
     def worker(self, name: str, node: str | None = None) -> WorkerState:
+        if node and node != name and node in self.workers:  # its placeholder (see drain)
+            del self.workers[node]
         st = self.workers.get(name)
         if st is None:
             st = self.workers[name] = WorkerState(name)
@@ -227,6 +229,7 @@ class Inbox:
         if st.meta is None:
             return
         meta = copy.deepcopy(st.meta)
+        meta["worker"] = st.name  # the name its records carry
         meta["transport"] = self.account(st)
         if st.lost is not None:
             meta["closed"] = True
@@ -275,6 +278,11 @@ class Inbox:
         return [st for st in self.workers.values() if not st.closed and st.lost is None]
 
     def declare_lost(self, st: WorkerState, why: str) -> None:
+        if st.meta is None:  # lost before its sink sent its first sidecar
+            host = st.name.rpartition(":")[0] or st.name
+            st.meta = {"counts": {"requests_started": 0, "records_written": 0,
+                                  "dropped_at_cap": 0}, "stages": [], "incomplete": [],
+                       "worker": st.name, "host": host, "closed": False}
         started = int(((st.meta or {}).get("counts") or {}).get("requests_started", 0))
         st.lost = {"why": why, "missing": max(0, started - st.records),
                    "requests_started_last_report": started, "records_received": st.records}
