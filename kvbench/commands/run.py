@@ -222,6 +222,11 @@ def _summary(run_dir: Path, meta) -> None:
     if meta.interrupted:
         print(f"kvbench run: INTERRUPTED ({meta.interruption}); the results hold what was "
               "recorded until then")
+    for name, acct in (meta.workers or {}).items():
+        if acct.get("lost"):
+            print(f"kvbench run: LOST WORKER {name} ({acct.get('lost_why')}): "
+                  f"{acct.get('missing', 0)} of its requests missing, {acct.get('records', 0)} "
+                  "of its records reached the master")
     res = load_results(run_dir)
     if res.requests.num_rows == 0:
         print(f"kvbench run: no requests recorded; results in {run_dir}")
