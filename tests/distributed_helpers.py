@@ -71,7 +71,8 @@ def served(url: str) -> int:
 def model_of(url: str) -> str:
     import json
 
-    return json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())["data"][0]["id"]
+    body = urllib.request.urlopen(url + "/v1/models", timeout=10).read()
+    return json.loads(body)["data"][0]["id"]
 
 
 def write_config(path: Path, url: str, rate: float = 20, duration: float = 3) -> Path:
@@ -83,7 +84,8 @@ def master_cmd(config: Path, results: Path, port: int, workers: int, *extra,
                bind: str = "127.0.0.1", locustfile: str = "mix", run_id: str = "dist",
                run_time: str = "40s", users: int | None = None) -> list[str]:
     users = users or workers
-    return [sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / f"{locustfile}.py"), "--headless",
+    return [sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / f"{locustfile}.py"),
+            "--headless",
             "--master", "--master-bind-host", bind, "--master-bind-port", str(port),
             "--expect-workers", str(workers), "-u", str(users), "-r", str(users),
             "-t", run_time, "--only-summary", "--kvbench-config", str(config),
@@ -92,7 +94,8 @@ def master_cmd(config: Path, results: Path, port: int, workers: int, *extra,
 
 
 def worker_cmd(master_host: str, port: int, locustfile: str = "mix") -> list[str]:
-    return [sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / f"{locustfile}.py"), "--worker",
+    return [sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / f"{locustfile}.py"),
+            "--worker",
             "--master-host", master_host, "--master-port", str(port)]
 
 

@@ -146,7 +146,8 @@ def _run(tmp_path, url, *, rate, duration, kill_after_s=None, skew=False):
         if kill_after_s is not None:
             # once the master holds some of its records (a busy host may take seconds to
             # build the workload), then mid-stream
-            mine = master_dir / "results" / "dist" / f"proc-{socket.gethostname()}-{ws[1].pid}.json"
+            mine = (master_dir / "results" / "dist" /
+                    f"proc-{socket.gethostname()}-{ws[1].pid}.json")
             for _ in range(600):
                 if mine.exists() and json.loads(mine.read_text())["counts"]["records_written"]:
                     break
@@ -162,7 +163,8 @@ def _run(tmp_path, url, *, rate, duration, kill_after_s=None, skew=False):
                 p.kill()
     time.sleep(0.3)  # the endpoint counts a request once its stream is done
     run_dir = master_dir / "results" / "dist"
-    assert rc == 0 and (run_dir / "run.json").exists(), (tmp_path / "master.log").read_text()[-3000:]
+    log = (tmp_path / "master.log").read_text()
+    assert rc == 0 and (run_dir / "run.json").exists(), log[-3000:]
     return run_dir, w_dirs, H.served(url) - before, ws
 
 
