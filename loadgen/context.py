@@ -27,7 +27,7 @@ from kvbench.loadgen.prefetch import Prefetch
 from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
 from kvbench.loadgen.pacing import (OpenLoopDispatcher, StagePlan, cycle_requests, shard,
-                                    share_of)
+                                    shard_sessions, share_of)
 from kvbench.loadgen.sink import COLUMNS, RecordSink
 from kvbench.loadgen.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
@@ -229,7 +229,7 @@ class LoadContext:
         requests = (iter(self.workload.requests()) if self.pacing == "trace" else
                     cycle_requests(self.workload.requests, self.index, self.count))
         if self.pacing == "trace" and self.count > 1:
-            requests = shard(requests, self.index, self.count)
+            requests = shard_sessions(requests, self.index, self.count)  # sessions whole
         pool = ConnectionPool(self.target, read_timeout_s=self.timeout_s, cold=not self.warm)
         client = self.new_client(pool)
         peak = max((s.rate_rps or 0) for s in self.stages) / self.count

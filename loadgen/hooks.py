@@ -27,6 +27,7 @@ from locust.runners import (STATE_CLEANUP, STATE_RUNNING, STATE_SPAWNING, Master
 
 from kvbench.core import redact
 from kvbench.core.errors import UserError
+from kvbench.loadgen import distributed  # noqa: F401 - issue 15: records over Locust messages
 from kvbench.loadgen.context import LoadContext, fail, get_context
 from kvbench.loadgen.options import has_kvbench_options, job_from_options, run_id
 from kvbench.runs import lifeline

@@ -60,12 +60,37 @@ def shard(items: Iterable, index: int, count: int) -> Iterator:
     return itertools.islice(items, index, None, count) if count > 1 else iter(items)
 
 
+def shard_sessions(requests: Iterable, index: int, count: int) -> Iterator:
+    """One worker's share of a request stream with every session whole on one worker (its
+    turns keep their order and the trace's timing): the k-th distinct ``session_id`` met goes
+    to worker ``k % count``, which every worker works out alike from the same stream; a request
+    without a session is a session of its own."""
+    if count <= 1:
+        yield from requests
+        return
+    owner: dict = {}
+    k = 0
+    for req in requests:
+        sid = getattr(req, "session_id", None)
+        if sid is None:
+            mine = k % count == index
+            k += 1
+        else:
+            w = owner.get(sid)
+            if w is None:
+                w = owner[sid] = k % count
+                k += 1
+            mine = w == index
+        if mine:
+            yield req
+
+
 def cycle_requests(make: Callable[[], Iterable], index: int = 0, count: int = 1) -> Iterator:
     """The workload's requests (this worker's share), again and again; later passes get
     ``#pass`` appended to request and session ids so records stay distinct."""
     for n in itertools.count():
         empty = True
-        for req in shard(make(), index, count):
+        for req in shard_sessions(make(), index, count):
             empty = False
             if n:
                 req = replace(req, request_id=f"{req.request_id}#{n}",

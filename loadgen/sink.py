@@ -29,6 +29,10 @@ from kvbench.core.store import START_COLUMNS, STARTS, ShardWriter, worker_name, 
 
 COLUMNS = tuple(REQUESTS.names)
 FLUSH_INTERVAL_S = 0.5  # half the loss bound a kill may cost (one second), for a late loop
+# Set by kvbench.loadgen.distributed on a Locust worker whose records go to its master
+# (issue 15): given the run directory it names this process's local spool (or None: the sink
+# works as before), and receives every batch, sidecar and the close.
+FORWARD = None
 
 
 def _warm_conversion() -> None:
@@ -70,7 +74,8 @@ class RecordSink:
 
     def __init__(self, run_dir: Path | str, *, flush_interval_s: float = FLUSH_INTERVAL_S,
                  use_threadpool: bool = True) -> None:
-        self.run_dir = Path(run_dir)
+        self.forward = FORWARD if FORWARD is not None and FORWARD.spool(run_dir) else None
+        self.run_dir = Path(self.forward.spool(run_dir) if self.forward else run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._shard = ShardWriter(self.run_dir, "requests")
         self._shard.open()
@@ -130,21 +135,28 @@ class RecordSink:
         if meta["closed"]:
             meta["closed_ns"] = meta["updated_ns"]
         self.meta_path = write_proc_meta(self.run_dir, meta)
+        if self.forward is not None:
+            self.forward.put("meta", meta)
 
     def _write(self, cols: list[list] | None, starts: list[list] | None = None,
                meta: dict | None = None) -> int:
         n = 0
         with self._lock:
             if starts is not None:
-                self._starts_shard.write(pa.RecordBatch.from_arrays(
-                    [pa.array(c, type=f.type) for c, f in zip(starts, STARTS)], schema=STARTS))
+                b = pa.RecordBatch.from_arrays(
+                    [pa.array(c, type=f.type) for c, f in zip(starts, STARTS)], schema=STARTS)
+                self._starts_shard.write(b)
+                if self.forward is not None:
+                    self.forward.put("starts", b)
             if cols is not None:
-                batch = pa.RecordBatch.from_arrays(
+                b = pa.RecordBatch.from_arrays(
                     [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)], schema=REQUESTS)
-                n = self._shard.write(batch)
+                n = self._shard.write(b)
                 for tap in self.taps:
-                    tap(batch)
+                    tap(b)
                 self.written += n
+                if self.forward is not None:
+                    self.forward.put("requests", b)
             if meta is not None:
                 self._write_meta(meta)
         return n
@@ -198,4 +210,6 @@ class RecordSink:
             self._shard.close()
             self._starts_shard.close()
             self._write_meta(self._snapshot(closed=True))
+        if self.forward is not None:
+            self.forward.close()  # the master acknowledges the rest, or the spool stays
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.core.errors import DataError
-from kvbench.core.store import RunMeta, read_meta, read_table, scan
+from kvbench.core.store import RunMeta, align_worker_clocks, read_meta, read_table, scan
 from kvbench.reports.frame import FRAME_COLUMNS, GapStore, concat, request_frame
 
 BATCH_ROWS = 65_536  # requests per streamed batch when deriving ITL gaps
@@ -54,7 +54,8 @@ def _read_run(path: Path | str) -> _Run:
         tables.append(pa.Table.from_batches(live))
     store = GapStore.concat(gaps) if gaps else GapStore(np.zeros(0, np.float32),
                                                         np.zeros(1, np.int64))
-    return _Run(run_dir, meta, pa.concat_tables(tables), store,
+    requests = align_worker_clocks(pa.concat_tables(tables), meta.worker_clock_offsets_ns)
+    return _Run(run_dir, meta, requests, store,
                 read_table(run_dir, "gpu", strict=True), read_table(run_dir, "engine", strict=True))
 
 

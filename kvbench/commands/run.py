@@ -38,6 +38,22 @@ def add_parser(p) -> None:
     p.add_argument("--config", default="bench.toml", help="bench.toml (default: ./bench.toml)")
     p.add_argument("--processes", type=int, default=1,
                    help="Locust load processes per run (each writes its own records shard)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="distributed on Locust's master and N local worker processes; their "
+                        "records reach the run through the master (no shared disk needed)")
+    g.add_argument("--expect-workers", type=int, default=0, metavar="N",
+                   help="distributed: a Locust master that waits for N workers started "
+                        "elsewhere (locust -f \"$(kvbench locustfile job)\" --worker "
+                        "--master-host HOST --master-port PORT), once per Locust run")
+    p.add_argument("--master-bind-host", default=None, metavar="HOST",
+                   help="address the master listens on (default 127.0.0.1 with --workers, "
+                        "0.0.0.0 with --expect-workers)")
+    p.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                   help="the master's port (default: a free one with --workers, 5557 with "
+                        "--expect-workers)")
+    p.add_argument("--workers-wait", type=float, default=600.0, metavar="S",
+                   help="how long the master waits for its workers to connect (default 600)")
     p.add_argument("--results-dir", default=None, help="override suite.results_dir")
     p.add_argument("--run-id", default=None, help="run id (default: time, suite and pid)")
     p.add_argument("--endpoint", action="append", default=None, metavar="NAME",
@@ -62,6 +78,7 @@ def run(args) -> int:
         raise UserError("--processes must be at least 1")
     if args.duration_scale <= 0:
         raise UserError("--duration-scale must be positive, e.g. 0.5")
+    dist = distributed(args)
     sel = matrix.select(cfg, endpoints=args.endpoint, workloads=args.workload,
                         profile=args.profile, where=str(cfg_path))
     no_slo = classes_without_slo(cfg, sel.workloads)
@@ -69,6 +86,13 @@ def run(args) -> int:
         print(f"kvbench: warning: no SLO for request class(es) {', '.join(no_slo)} in "
               f"{cfg_path}: reports show their goodput and SLO attainment as \"no SLO\"; add "
               f"[slo.<class>] tables (ttft_ms, tpot_ms, e2e_ms) to judge them", flush=True)
+    if dist is not None and not dist.local:
+        local_only = [ep.name for ep in sel.endpoints if ep.kind == "builtin"]
+        if local_only:
+            raise UserError(f"{cfg_path}: endpoint(s) {', '.join(local_only)} are built-in, "
+                            "served on this host's loopback where workers elsewhere cannot "
+                            "reach them; run them with --workers N, or point [[endpoints]] at "
+                            "a server the workers reach (kvbench serve --host 0.0.0.0)")
     results_dir = Path(args.results_dir or cfg.suite.results_dir)
     run_id = args.run_id or store.new_run_id(cfg.suite.name)
     run_dir = results_dir / run_id
@@ -111,7 +135,7 @@ def run(args) -> int:
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
             with progress.Progress(job, run_dir):  # quiet unless stdout is a terminal
-                out = locust.run(job, args.processes)
+                out = locust.run(job, args.processes, dist)
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
@@ -151,6 +175,34 @@ def run(args) -> int:
     return 128 + interrupted.signum if interrupted else 0
 
 
+def distributed(args):
+    """The distributed setting of ``kvbench run``'s flags (None: one host, ``--processes``);
+    a bad combination fails before any load."""
+    from kvbench.runs.locust import Distributed
+
+    workers = getattr(args, "workers", 0) or 0
+    expect = getattr(args, "expect_workers", 0) or 0
+    if workers < 0 or expect < 0:
+        raise UserError("--workers and --expect-workers take a positive count, e.g. 4")
+    if not (workers or expect):
+        if args.master_bind_host or args.master_port:
+            raise UserError("--master-bind-host and --master-port go with --workers or "
+                            "--expect-workers")
+        return None
+    if args.processes > 1:
+        raise UserError("--processes and --workers/--expect-workers both set how many load "
+                        "processes run; give one of them")
+    if not 0 <= args.master_port <= 65535:
+        raise UserError(f"--master-port {args.master_port}: give a TCP port, 1 to 65535")
+    if args.workers_wait <= 0:
+        raise UserError("--workers-wait must be positive, e.g. 600")
+    if workers:
+        return Distributed(workers, local=True, bind_host=args.master_bind_host or "127.0.0.1",
+                           port=args.master_port, wait_s=args.workers_wait)
+    return Distributed(expect, local=False, bind_host=args.master_bind_host or "0.0.0.0",
+                       port=args.master_port or 5557, wait_s=args.workers_wait)
+
+
 def _link_latest(results_dir: Path, run_id: str) -> None:
     latest = results_dir / "latest"
     try:
@@ -171,6 +223,11 @@ def _summary(run_dir: Path, meta) -> None:
     if meta.interrupted:
         print(f"kvbench run: INTERRUPTED ({meta.interruption}); the results hold what was "
               "recorded until then")
+    for name, acct in (meta.workers or {}).items():
+        if acct.get("lost"):
+            print(f"kvbench run: LOST WORKER {name} ({acct.get('lost_why')}): "
+                  f"{acct.get('missing', 0)} of its requests missing, {acct.get('records', 0)} "
+                  "of its records reached the master")
     res = load_results(run_dir)
     if res.requests.num_rows == 0:
         print(f"kvbench run: no requests recorded; results in {run_dir}")

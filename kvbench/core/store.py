@@ -10,6 +10,10 @@
 * ``stages``: [{endpoint, workload, profile, index, pacing, rate_rps, users, duration_s,
   t_start_ns, t_end_ns}];
 * ``clock_offsets_ns``: {host: offset to add to that host's timestamps};
+* ``workers``: {worker "host:pid": {batches, records, lost, missing, clock_offset_ns, ...}}, a
+  distributed run whose workers sent their records to the master (``runs.transport``);
+* ``worker_clock_offsets_ns``: {worker: ns to add to its ``t_scheduled``/``t_sent``}, which
+  ``load_results`` applies so every worker's times read on the master's clock;
 * ``telemetry``: {source: "ok" | reason it is missing};
 * ``incomplete``: [{what, why}] — everything that did not happen as asked;
 * ``interrupted`` (bool), ``interruption``: whether a signal or a kill cut the run, and how;
@@ -110,6 +114,8 @@ class RunMeta:
     counts: dict = field(default_factory=dict)
     workloads: dict = field(default_factory=dict)
     workloads_sent: dict | None = None  # None: written before kvbench recorded it
+    workers: dict = field(default_factory=dict)  # distributed: what each worker sent
+    worker_clock_offsets_ns: dict = field(default_factory=dict)  # distributed: per worker
     interrupted: bool = False  # a signal or a kill cut the run before its planned end
     interruption: str | None = None  # how, e.g. "SIGTERM to kvbench run"
     extra: dict = field(default_factory=dict)
@@ -269,6 +275,8 @@ def _run_json_models():
         counts: Optional[dict[str, Any]] = None
         workloads: Optional[dict[str, Any]] = None
         workloads_sent: Optional[dict[str, dict[str, Described]]] = None
+        workers: Optional[dict[str, dict[str, Any]]] = None
+        worker_clock_offsets_ns: Optional[dict[str, int]] = None
 
     return Run
 
@@ -360,10 +368,11 @@ class ShardWriter:
                 self._writer = self._fh = None
 
 
-def write_proc_meta(run_dir: Path | str, meta: dict) -> Path:
+def write_proc_meta(run_dir: Path | str, meta: dict, stem: str | None = None) -> Path:
     """A load process's sidecar ``proc-<host>-<pid>.json`` (counts, stages, incomplete), read
-    by whoever finalizes the run."""
-    path = Path(run_dir) / f"proc-{shard_stem()}.json"
+    by whoever finalizes the run; ``stem``: another process's (a master writing the sidecar a
+    worker sent it)."""
+    path = Path(run_dir) / f"proc-{stem or shard_stem()}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(meta, indent=1, default=str))
     os.replace(tmp, path)
@@ -668,5 +677,28 @@ def load_results(path: Path | str) -> Results:
     """Read one run directory: run.json plus every table (parquet, then live shards)."""
     run_dir = Path(path)
     meta = read_meta(run_dir)
-    return Results(run_dir, meta, {name: read_table(run_dir, name, strict=True)
-                                   for name in TABLES})
+    tables = {name: read_table(run_dir, name, strict=True) for name in TABLES}
+    tables["requests"] = align_worker_clocks(tables["requests"], meta.worker_clock_offsets_ns)
+    return Results(run_dir, meta, tables)
+
+
+ALIGNED = ("t_scheduled", "t_sent")  # epoch ns read on the sending worker's clock
+
+
+def align_worker_clocks(requests: pa.Table, offsets_ns: dict | None) -> pa.Table:
+    """``requests`` with each worker's ``t_scheduled`` and ``t_sent`` moved onto the master's
+    clock (run.json ``worker_clock_offsets_ns``: ns to add, by worker name); workers without
+    an offset (or of offset 0) are left as written."""
+    offsets = {w: int(o) for w, o in (offsets_ns or {}).items() if int(o)}
+    if not offsets or requests.num_rows == 0:
+        return requests
+    workers = requests.column("worker")
+    shift = pc.fill_null(pc.cast(pc.index_in(workers, pa.array(list(offsets))), pa.int64()), -1)
+    table = pa.array([0] + list(offsets.values()), pa.int64())
+    add = pc.take(table, pc.add(shift, 1))
+    for name in ALIGNED:
+        i = requests.schema.get_field_index(name)
+        col = requests.column(i)
+        requests = requests.set_column(i, requests.field(i),
+                                       pc.add(col, add).cast(col.type))
+    return requests

@@ -75,6 +75,7 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
     lost = killed_in_flight(run_dir)
     if lost:
         merged["counts"]["in_flight_at_kill"] = lost
+    workers, offsets = worker_accounts(metas)
     data = {
         "run_id": first.run_id if first else run_dir.name,
         "suite": first.suite if first else "default",
@@ -86,6 +87,7 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         "clock_offsets_ns": dict(clock_offsets_ns or {}), "telemetry": dict(telemetry or {}),
         "incomplete": notes, "counts": merged["counts"], "workloads": described,
         "workloads_sent": sent, "interrupted": bool(interrupted), "interruption": interrupted,
+        "workers": workers, "worker_clock_offsets_ns": offsets,
     }
     data.update(meta or {})
     data = redact.redact_obj(data)  # no known secret, header value or URL userinfo is written
@@ -113,6 +115,20 @@ def wait_for_sidecars(run_dir: Path, expected: int | None, wait_s: float) -> lis
                 sum(1 for m in metas if m.get("closed", True)) >= expected:
             return metas
         time.sleep(0.1)  # cooperative under Locust (gevent patches time.sleep)
+
+
+def worker_accounts(metas: list[dict]) -> tuple[dict, dict]:
+    """run.json ``workers`` and ``worker_clock_offsets_ns``: what each worker that sent its
+    records to the master sent (the master's account in each sidecar, ``runs.transport``)."""
+    workers, offsets = {}, {}
+    for m in metas:
+        acct = m.get("transport")
+        if not isinstance(acct, dict) or not m.get("worker"):
+            continue
+        workers[str(m["worker"])] = acct
+        if isinstance(acct.get("clock_offset_ns"), int):
+            offsets[str(m["worker"])] = acct["clock_offset_ns"]
+    return workers, offsets
 
 
 def killed_in_flight(run_dir: Path) -> int:

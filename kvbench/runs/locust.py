@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,12 +67,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(job: Job, job_file: Path, processes: int) -> tuple[list[str], float]:
+@dataclass(frozen=True)
+class Distributed:
+    """A run on Locust's master and workers whose records travel to the master over Locust's
+    messages (``kvbench.runs.transport``): ``local`` worker processes started here, or
+    ``expect`` workers started elsewhere (``locust -f "$(kvbench locustfile job)" --worker
+    --master-host <this host> --master-port <port>``) that the master waits for."""
+
+    workers: int
+    local: bool = True
+    bind_host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port (local workers only)
+    wait_s: float = 600.0  # how long the master waits for expected workers to connect
+
+    def resolved(self) -> "Distributed":
+        if self.port:
+            return self
+        return Distributed(self.workers, self.local, self.bind_host, free_port(), self.wait_s)
+
+
+def worker_command(master_host: str, port: int) -> list[str]:
+    """A Locust worker of the job locustfile (the master sends it the job)."""
+    return [sys.executable, "-m", "locust", "-f", str(locustfile(JOB_LOCUSTFILE)), "--worker",
+            "--master-host", master_host, "--master-port", str(port), "--loglevel", "WARNING"]
+
+
+def command(job: Job, job_file: Path, processes: int,
+            dist: Distributed | None = None) -> tuple[list[str], float]:
     """The Locust command line for ``job`` and the seconds to allow it."""
     cmd = [sys.executable, "-m", "locust", "-f", str(locustfile(JOB_LOCUSTFILE)), "--headless",
            "--host", job.endpoint.url, "--only-summary", "--loglevel", "WARNING",
            "--kvbench-job", str(job_file), "--kvbench-no-finalize"]
-    if processes > 1:
+    extra_s = 0.0
+    if dist is not None:
+        processes = dist.workers
+        cmd += ["--master", "--master-bind-host", dist.bind_host, "--master-bind-port",
+                str(dist.port), "--expect-workers", str(dist.workers),
+                "--expect-workers-max-wait", str(int(dist.wait_s)), "--kvbench-ship-records"]
+        extra_s = dist.wait_s
+    elif processes > 1:
         # a free port of its own for master and workers: Locust's default 5557 is shared by
         # every other distributed Locust on the host, whose workers would join this master
         port = free_port()
@@ -85,34 +119,66 @@ def command(job: Job, job_file: Path, processes: int) -> tuple[list[str], float]
         st = job.stages[job.stage_index]
         cmd += ["-u", str(st.users), "-r", str(st.users),
                 "-t", f"{max(1, math.ceil(st.duration_s))}s"]
-        return cmd, st.duration_s + drain + GRACE_S
+        return cmd, st.duration_s + drain + GRACE_S + extra_s
     # open loop: the dispatcher ends the run itself after its stages and drain; -t is a bound
     cap = sum(s.duration_s for s in job.stages) + drain
     cmd += ["-u", str(processes), "-r", str(processes), "-t", f"{math.ceil(cap)}s"]
-    return cmd, cap + GRACE_S
+    return cmd, cap + GRACE_S + extra_s
 
 
-def run(job: Job, processes: int = 1) -> Outcome:
-    """Run the job's Locust child to its end; its log goes to the run directory."""
+def run(job: Job, processes: int = 1, dist: Distributed | None = None) -> Outcome:
+    """Run the job's Locust child to its end (with ``dist``: a master, and its local workers
+    when they are local); its log goes to the run directory."""
     run_dir = job.run_dir
     job_file = job.save(run_dir / job.file_name())
-    cmd, limit = command(job, job_file, processes)
+    dist = dist.resolved() if dist is not None else None
+    cmd, limit = command(job, job_file, processes, dist)
     log_path = run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
     env = {**os.environ, **job.secret_env(), **lifeline.child_env()}
+    workers: list[subprocess.Popen] = []
+    spool = None
     with open(log_path, "w") as logf:
         # its own session: a terminal's signals reach kvbench run alone, which stops it
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
+            if dist is not None and dist.local:
+                workers, spool = _start_workers(dist, run_dir, logf, env)
             rc = proc.wait(limit)
+            for w in workers:  # they end with the master; a straggler is stopped
+                try:
+                    w.wait(STOP_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    stop(w)
         except subprocess.TimeoutExpired:
             rc = stop(proc)
         except BaseException:  # an interrupt (KeyboardInterrupt, or kvbench run's signals)
             stop(proc)
             raise
         finally:
+            for w in workers:
+                if w.poll() is None:
+                    stop(w)
+            if spool is not None and not any(spool.rglob("*.arrows")):
+                shutil.rmtree(spool, ignore_errors=True)  # all acknowledged: nothing to keep
             _scrub(log_path)
     return Outcome(rc, _error(log_path, rc, job), log_path)
+
+
+def _start_workers(dist: Distributed, run_dir: Path, logf, env: dict
+                   ) -> tuple[list, Path]:
+    """``dist.workers`` local Locust workers, each with a spool of its own outside the run
+    directory (what they record reaches the run through the master alone)."""
+    import tempfile
+
+    spool = Path(tempfile.mkdtemp(prefix=f"kvbench-spool-{run_dir.name}-"))
+    host = "127.0.0.1" if dist.bind_host in ("0.0.0.0", "*", "") else dist.bind_host
+    procs = []
+    for i in range(dist.workers):
+        procs.append(subprocess.Popen(
+            worker_command(host, dist.port), stdout=logf, stderr=subprocess.STDOUT,
+            env={**env, "KVBENCH_SPOOL": str(spool / f"worker-{i}")}, start_new_session=True))
+    return procs, spool
 
 
 def _scrub(log_path: Path) -> None:
