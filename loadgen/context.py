@@ -114,6 +114,8 @@ class LoadContext:
             users = planned.users or getattr(environment.parsed_options, "num_users", None)
             limits = [n for n in (planned.requests, self.max_requests) if n is not None]
             self._left = min(limits) if limits else None  # closed loop: requests still to send
+        if self.pacing == "closed":  # every user takes its first session at once: build now
+            self._sessions = self._built_ahead(prefill=True)
         settle_heap()
         if self.pacing == "closed":
             self.open_stage(StagePlan(i, planned.duration_s, None, users), self.t_start_ns)
@@ -151,11 +153,15 @@ class LoadContext:
         return True
 
     def next_session(self):
-        if self._sessions is None:  # one built ahead per user, up to 256
-            users = max((s.users or 0) for s in self.stages) or getattr(
-                self.environment.parsed_options, "num_users", None) or 1
-            self._sessions = Prefetch(self._session_iter(), min(256, users))
+        if self._sessions is None:
+            self._sessions = self._built_ahead(prefill=False)
         return next(self._sessions, None)
+
+    def _built_ahead(self, prefill: bool) -> Prefetch:
+        """Closed loop: sessions built ahead in idle time, one per user (up to 256)."""
+        users = max((s.users or 0) for s in self.stages) or getattr(
+            getattr(self.environment, "parsed_options", None), "num_users", None) or 1
+        return Prefetch(self._session_iter(), min(256, users), prefill=prefill)
 
     def new_client(self, pool: ConnectionPool | None = None) -> StreamingClient:
         pool = pool or ConnectionPool(self.target, read_timeout_s=self.timeout_s,
@@ -234,7 +240,8 @@ class LoadContext:
         client = self.new_client(pool)
         peak = max((s.rate_rps or 0) for s in self.stages) / self.count
         # about a quarter second of arrivals built ahead in idle time (4 to 64)
-        requests = self._prefetch = Prefetch(requests, min(64, max(4, int(peak / 4))))
+        requests = self._prefetch = Prefetch(requests, min(64, max(4, int(peak / 4))),
+                                             prefill=True)
         if self.warm:
             pool.warm(min(self.max_in_flight, 64, max(2, int(peak * 2))))
 

@@ -23,7 +23,9 @@ _END = object()
 class Prefetch:
     """An iterator over ``items`` with up to ``ahead`` of them built in idle time."""
 
-    def __init__(self, items: Iterator, ahead: int) -> None:
+    def __init__(self, items: Iterator, ahead: int, prefill: bool = False) -> None:
+        """``prefill``: build the first ``ahead`` now (before the load: at its start every
+        user wants one at once and the loop is never idle)."""
         self._items = iter(items)
         self._buf: deque = deque()
         self._ahead = max(1, int(ahead))
@@ -31,6 +33,11 @@ class Prefetch:
         self._busy = False  # the iterator is being advanced (never by two greenlets at once)
         self._room = gevent.event.Event()  # set while the buffer has room
         self._room.set()
+        while prefill and len(self._buf) < self._ahead and not self._ended:
+            item = self._advance()
+            if item is _END:
+                self._ended = True
+            self._buf.append(item)
         self._filler = gevent.spawn(self._fill)
 
     def __iter__(self) -> "Prefetch":

@@ -38,8 +38,8 @@ FORWARD = None
 def _warm_conversion() -> None:
     """Convert a one-row batch of each schema once, unwritten, before any load.
 
-    pyarrow's first ``pa.array`` (and ``pa.scalar``) asks whether its input is a pandas object, and to know that
-    imports pandas when it is installed: 0.3 s and +40 MB in a process that never uses pandas,
+    pyarrow's first ``pa.array`` (and ``pa.scalar``) asks whether its input is a pandas
+    object, and to know that imports pandas when it is installed: 0.3 s and +40 MB in a process that never uses pandas,
     done on the writer thread in the first second of a run (the GIL it held paused the loop
     4-17 ms at a time). pandas is hidden from that one check (its import fails, so pyarrow
     records "no pandas" for the check); pyarrow tries the import again whenever something

@@ -56,3 +56,12 @@ def test_idle_time_builds_ahead_and_close_stops_it():
     gevent.sleep(0.05)
     assert src.made == 8  # closed: nothing more built in the background
     assert list(p) == [3, 4, 5, 6, 7]  # what was built stays available; then it ends
+
+
+def test_prefill_builds_before_the_load():
+    src = Counting(10)
+    p = Prefetch(src, 4, prefill=True)
+    assert src.made == 4  # built at once, no idle turn needed
+    assert list(p) == list(range(10))
+    short = Counting(2)
+    assert list(Prefetch(short, 4, prefill=True)) == [0, 1]
