@@ -608,7 +608,11 @@ def loadgen_saturated(d: ReportData) -> list[Finding]:
                        "flight (the load process, not a backlog)", _fmt(late["low_p99"], "ms")))
             ev.append(("client lateness mean", _fmt(late["mean"], "ms")))
         pause = _largest_pause(d.stages, str(ep))
-        if pause is not None and pause[0] > LOOP_PAUSE_MS:
+        # a pause alone blames the load process only where no overload explains it (a deep
+        # backlog of open streams is the load process working, not stalled); with other
+        # evidence it is always shown
+        if pause is not None and pause[0] > LOOP_PAUSE_MS and (ev or not backlog
+                                                               and str(ep) not in overloaded_eps):
             ev.append((f"largest event-loop pause of the load process ({pause[1]})",
                        _fmt(pause[0], "ms") + ": every stream in flight was read that late "
                        "together, so per-chunk times (ITL, TPOT) of that stage carry it"))
