@@ -8,7 +8,8 @@
 * ``versions``: {package: version}; ``git_commit``; ``hosts``: [host names];
 * ``endpoints``: [{name, topology, url, model, kind, gpus, gpu_hour_cost}];
 * ``stages``: [{endpoint, workload, profile, index, pacing, rate_rps, users, duration_s,
-  t_start_ns, t_end_ns}];
+  t_start_ns, t_end_ns[, search: {role, verdict, why[, stop]}]}] (``search``: a capacity
+  search's probe, ``kvbench.runs.search``);
 * ``clock_offsets_ns``: {host: offset to add to that host's timestamps};
 * ``telemetry``: {source: "ok" | reason it is missing};
 * ``incomplete``: [{what, why}] — everything that did not happen as asked;
@@ -206,6 +207,12 @@ def _run_json_models():
     class _Loose(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
 
+    class SearchNote(_Loose):
+        role: Optional[str] = None  # ramp | refine | bisect
+        verdict: Optional[str] = None  # pass | fail | straddle (None: cut by a stop)
+        why: Optional[str] = None
+        stop: Optional[str] = None  # "budget": the search ended after this probe
+
     class Stage(_Loose):
         endpoint: Optional[str] = None
         workload: Optional[str] = None
@@ -217,6 +224,7 @@ def _run_json_models():
         duration_s: Optional[Num] = None
         t_start_ns: Optional[Ns] = None
         t_end_ns: Optional[Ns] = None
+        search: Optional[SearchNote] = None  # a capacity search's probe
 
     class Endpoint(_Loose):
         name: str
