@@ -114,8 +114,11 @@ def probe_verdict(frame: pd.DataFrame, slo: dict, *, target: float = TARGET,
         cv = class_verdict(flags, str(cls), target=target, confidence=confidence,
                            min_requests=min_class_requests, rng=rng)
         cv.misses = misses_by_slo(sub, slo, str(cls))
-        worst = max(cv.misses.items(), key=lambda kv: kv[1], default=(None, 0))
-        cv.missed = worst[0] if worst[1] else None
+        # the SLO answered requests missed most; errors and cuts only when none missed one
+        slos = {k: n for k, n in cv.misses.items() if k != "errors or cut" and n}
+        worst = max(slos.items(), key=lambda kv: kv[1], default=(None, 0))
+        cv.missed = worst[0] if worst[1] else ("errors or cut" if cv.misses.get(
+            "errors or cut") else None)
         classes.append(cv)
     if not classes:
         return ProbeVerdict("empty", [])

@@ -412,8 +412,9 @@ def run(job, processes: int = 1, say=_say) -> Result:
                             continue
                 if current is None:
                     continue
+                was_running = current.running(now)
                 v, why = current.step(now)
-                if current.running(now):
+                if was_running:
                     if v is not None:  # cut: saturated or failed already
                         cut(current.probe.index)
                         settle(current, v, why)
