@@ -21,8 +21,7 @@ class SearchSpec(Strict):
     """``[profiles.<name>] pacing = "search"``: the capacity search (``kvbench.runs.search``).
     Open loop: Poisson probes from ``start_rps``, times ``growth`` to the first failing probe,
     then geometric bisection until the bracket is within ``precision``; a probe whose bootstrap
-    interval straddles ``target`` is run again ``refine`` times, each twice as long (its
-    requests pooled)."""
+    interval straddles ``target`` is run again ``refine`` times (its requests pooled)."""
 
     start_rps: float = Field(default=1.0, gt=0, le=1e6)
     growth: float = Field(default=2.0, gt=1, le=100)

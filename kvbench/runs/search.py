@@ -11,7 +11,7 @@ written beside them and land in run.json's stage entries (``annotate``, called b
 The plan (``Planner``): ramp geometrically from ``start_rps`` by ``growth`` to the first
 failing probe (down from the start when it fails), then bisect the bracket geometrically until
 fail / pass - 1 is within ``precision``. A probe straddling the target is run again at the
-same rate for twice as long (``refine`` times; its requests pooled), and counts as failed
+same rate (``refine`` times; its requests pooled, so the sample grows), and counts as failed
 after that: a capacity is only claimed where it was shown. The verdict is
 ``reports.capacity.probe_verdict``; while a probe runs it is cut as soon as it is saturated
 (``reports.capacity.saturated``) or its verdict can no longer change; after its schedule,
@@ -145,10 +145,11 @@ class Planner:
         fails = [r for r, v in settled.items() if v == "fail" and (lo is None or r > lo)]
         return lo, (min(fails) if fails else None)
 
-    def duration(self, rate: float, refinement: int = 0) -> float:
+    def duration(self, rate: float) -> float:
+        """A probe's length: ``probe_s``, longer at low rates to send ``min_requests``; a
+        refinement is as long again, its requests pooled with the earlier ones at its rate."""
         s = self.spec
-        d = max(s["probe_s"], s["min_requests"] / rate) * (2 ** refinement)
-        return min(d, s["max_probe_s"] * (2 ** refinement))
+        return min(max(s["probe_s"], s["min_requests"] / rate), s["max_probe_s"])
 
     def next(self) -> Probe | None:
         s = self.spec
@@ -157,7 +158,7 @@ class Planner:
             p, v = self.history[-1]
             tries = sum(1 for q, _ in self.history if q.rate_rps == p.rate_rps)
             if v == "straddle" and tries <= s["refine"]:
-                return Probe(index, p.rate_rps, self.duration(p.rate_rps, tries), "refine")
+                return Probe(index, p.rate_rps, self.duration(p.rate_rps), "refine")
         lo, hi = self.bracket()
         if not self.history:
             rate, role = s["start_rps"], "ramp"
