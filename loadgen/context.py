@@ -68,7 +68,7 @@ class LoadContext:
         self.tokcheck = token_check(environment, self.tokenizer.name)  # plain locust runs
         self.workload = workload if workload is not None else job.build_workload(self.tokenizer)
         self.workload_name = getattr(self.workload, "name", job.workload)
-        self.pacing = job.pacing
+        self.pacing = "poisson" if job.pacing == "search" else job.pacing  # probes: Poisson
         self.stages = [StagePlan(s.index, s.duration_s, s.rate_rps, s.users,
                                  getattr(s, "requests", None)) for s in job.stages]
         self.stage_index = job.stage_index
@@ -249,7 +249,7 @@ class LoadContext:
             self.send(client, req, t_sched, stage)
 
         def on_stage(st: StagePlan, t0: int, t1: int) -> None:
-            self.add_stage(st, t0, t1, cut=self.stopping.is_set())
+            self.add_stage(st, t0, t1, cut=self.stopping.is_set() or self.dispatcher.stage_cut)
 
         seed = self.job.seed * 1000 + self.index
         stages = self.stages
@@ -261,6 +261,11 @@ class LoadContext:
             max_in_flight=self.max_in_flight, seed=seed, share=1.0 / self.count,
             max_requests=self.max_requests,
             on_stage=on_stage, on_stage_start=self.open_stage)
+        if self.job.search is not None:  # capacity search: kvbench run feeds the probes
+            from kvbench.runs.search import ProbeFeed
+
+            feed = ProbeFeed(self.run_dir, self.endpoint, self.workload_name)
+            d.stages = (StagePlan(p.index, p.duration_s, p.rate_rps) for p in feed.probes(d))
         if self.stopping.is_set():
             d.stop()
         d.run()

@@ -135,6 +135,20 @@ class OpenLoopDispatcher:
         self.max_requests = max_requests
         self.limit_reached: str | None = None  # "stage" or "run": a request count ended it
         self.group = None  # gevent Group of the requests in flight
+        self.stage_cut = False  # ``end_stage`` cut the stage that ended last
+        self._cut = None  # gevent Event set by ``end_stage``, cleared as each stage starts
+
+    def end_stage(self) -> None:
+        """End the current stage now (its arrivals stop; the next stage, if any, begins)."""
+        if self._cut is not None:
+            self._cut.set()
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep ``seconds``; True when the run stopped or the stage was cut meanwhile."""
+        import gevent
+
+        gevent.wait([self.stopped, self._cut], timeout=seconds, count=1)
+        return self.stopped.is_set() or self._cut.is_set()
 
     def stop(self) -> None:
         """Start nothing more (requests in flight go on; see ``wait_idle`` and ``cancel``)."""
@@ -148,10 +162,12 @@ class OpenLoopDispatcher:
         return self.stopped
 
     def run(self) -> None:
+        import gevent.event
         from gevent.pool import Group
 
         self.group = group = Group()
         stopped = self._event()
+        self._cut = cut = gevent.event.Event()
 
         mono, epoch = time.perf_counter_ns, time.time_ns
         offset = epoch() - mono()  # epoch = mono + offset, fixed for the run
@@ -159,8 +175,9 @@ class OpenLoopDispatcher:
         for st in self.stages:
             if stopped.is_set():
                 break
-            t_start = t
+            t_start = max(t, mono())  # a stage fed lazily (capacity search) starts when it comes
             t_end = t_start + int(st.duration_s * 1e9)
+            cut.clear()
             if self.on_stage_start is not None:
                 self.on_stage_start(st, t_start + offset)
             if self.pacing == "trace":
@@ -173,9 +190,9 @@ class OpenLoopDispatcher:
                 if self._counted(st, in_stage):  # a share of 0 (more processes than requests)
                     break
                 delay = (t_sched - mono()) / 1e9
-                if delay > 0 and stopped.wait(delay):
+                if delay > 0 and self._wait(delay):
                     break
-                if stopped.is_set():
+                if stopped.is_set() or cut.is_set():
                     break
                 if self.in_flight >= self.max_in_flight:
                     self.dropped_at_cap += 1
@@ -195,9 +212,10 @@ class OpenLoopDispatcher:
             now = mono()
             counted = self.limit_reached is not None
             if now < t_end and not self.exhausted and not counted:
-                stopped.wait((t_end - now) / 1e9)
+                self._wait((t_end - now) / 1e9)
             t = mono() if counted or self.pacing == "trace" else max(t_end, mono())
-            if stopped.is_set():
+            self.stage_cut = cut.is_set()
+            if stopped.is_set() or self.stage_cut:
                 t = mono()  # cut: the stage ran until now
             if self.on_stage is not None:
                 self.on_stage(st, t_start + offset, t + offset)

@@ -193,6 +193,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                            for ep in eps if not math.isnan(costs[ep])),
                           key=lambda r: r["value"]),
     }
+    capacity = build_capacity(d)
     from kvbench.reports.plots import all_figures
 
     points = P.stage_points(f, d.endpoints, d.stages)
@@ -224,6 +225,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "engine_comparison": engine_rows,
         "bake": bake,
         "per_gpu": per_gpu,
+        "capacity": capacity,
         "findings": findings,
         "figures": figures,
         "slo": d.slo,
@@ -276,6 +278,54 @@ def _per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
             "knee_pct": f"{P.KNEE_FRACTION:.0%}",
             "unknown_gpus": sorted(set(points.loc[~points["gpus_known"].astype(bool),
                                                   "endpoint"]))}
+
+
+def build_capacity(d: ReportData) -> dict | None:
+    """The capacity search's section: per endpoint x workload the capacity at SLO with its
+    bracket (last passing, first failing rate) and the attainment interval of its worst class
+    there, the class that broke first and the SLO it missed, per GPU and per dollar; and the
+    ranking by capacity per GPU and per dollar (``reports.capacity``). None: no search ran."""
+    from kvbench.reports import capacity as C
+
+    caps = C.summarise(d.stages, d.frame, d.slo)
+    if not caps:
+        return None
+    rows = []
+    for c in caps:
+        ep = d.endpoints.get(c.endpoint) or {}
+        per = C.per_gpu_and_cost(c, ep.get("gpus"), ep.get("gpu_hour_cost"))
+        at = c.at_capacity or {}
+        br = c.breaks or {}
+        rows.append({
+            "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
+            "capacity": c.capacity_rps, "capacity_text": fmt(c.capacity_rps),
+            "bracket": (f"{fmt(c.capacity_rps)} – {fmt(c.fail_rps)}" if c.fail_rps is not None
+                        else f"≥ {fmt(c.capacity_rps)}" if c.capacity_rps is not None
+                        else "–"),
+            "attainment": (f"{fmt(at.get('attainment'), 'fraction')} "
+                           f"[{fmt(at.get('low'), 'fraction')}, "
+                           f"{fmt(at.get('high'), 'fraction')}] ({at.get('worst_class')})"
+                           if at else "–"),
+            "breaks": (f"{br['class']}: {br['missed'] or '?'} "
+                       f"({fmt(br['attainment'], 'fraction')} within SLO at "
+                       f"{fmt(br['rate_rps'])} req/s)" if br else "none seen"),
+            "gpus": ep.get("gpus"), "gpu_hour_cost": ep.get("gpu_hour_cost"),
+            "per_gpu": per["capacity_per_gpu"], "per_gpu_text": fmt(per["capacity_per_gpu"]),
+            "per_usd": per["capacity_per_usd_hour"],
+            "per_usd_text": fmt(per["capacity_per_usd_hour"]),
+            "usd_per_mtok": fmt(per["usd_per_mtok"]),
+            "probes": c.probes, "load_s": fmt(c.load_s)})
+    by_gpu = sorted((r for r in rows if r["per_gpu"] is not None),
+                    key=lambda r: -r["per_gpu"])
+    by_usd = sorted((r for r in rows if r["per_usd"] is not None),
+                    key=lambda r: -r["per_usd"])
+    probes = [{"endpoint": s.get("endpoint"), "workload": s.get("workload"),
+               "stage": s.get("index"), "rate": fmt(s.get("rate_rps")),
+               "duration": fmt(s.get("duration_s")), "role": s["search"].get("role"),
+               "verdict": s["search"].get("verdict") or "void",
+               "why": s["search"].get("why") or ""}
+              for s in d.stages if s.get("search")]
+    return {"rows": rows, "by_gpu": by_gpu, "by_usd": by_usd, "probes": probes}
 
 
 def _error_rows(f: pd.DataFrame, outcomes: dict[str, dict]) -> list[dict]:

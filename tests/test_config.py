@@ -88,7 +88,7 @@ def test_trace_path_is_relative_to_the_config(tmp_path):
 
 
 @pytest.mark.parametrize("old, new, field", [
-    ("requests = 240\n", "requests = 240000000000\n", "workloads.mix.requests"),
+    ("requests = 3000\n", "requests = 240000000000\n", "workloads.mix.requests"),
     ("{ rate_rps = 2.0, duration_s = 10 }", "{ rate_rps = 2.0, duration_s = 1e18 }",
      "profiles.ladder.stages[0].duration_s"),
     ("{ rate_rps = 2.0,", "{ rate_rps = 9.2e18,", "profiles.ladder.stages[0].rate_rps"),

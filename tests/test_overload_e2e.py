@@ -215,7 +215,7 @@ def kept_up(tmp_path_factory):
     cfg = d / "bench.toml"
     cfg.write_text((ROOT / "bench.toml").read_text().replace(
         'results_dir = "results"', f'results_dir = "{d / "results"}"'))
-    _kvbench_run(cfg, "r1", "--endpoint", "colocated")
+    _kvbench_run(cfg, "r1", "--endpoint", "colocated", "--profile", "ladder")
     return d / "results" / "r1"
 
 

@@ -109,7 +109,7 @@ def test_cli_describe_mix_default_config(capsys, monkeypatch):
     assert time.perf_counter() - t0 < 10
     out = json.loads(capsys.readouterr().out)
     d = out["mix"]
-    assert d["requests"] == 240
+    assert d["requests"] == 3000
     assert set(d["classes"]) == {"chat", "rag", "agent", "longctx"}
     assert main(["workloads", "describe", "--capacity-tokens", "100000"]) == 0
     text = capsys.readouterr().out

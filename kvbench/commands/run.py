@@ -69,7 +69,8 @@ def run(args) -> int:
     from kvbench.config import load_config
     from kvbench.config.parse import classes_without_slo
     from kvbench.core import store
-    from kvbench.runs import builtin, finalize, locust, matrix, preflight, progress, telemetry
+    from kvbench.runs import (builtin, finalize, locust, matrix, preflight, progress, search,
+                              telemetry)
     from kvbench.workloads.registry import make_workload
 
     cfg_path = Path(args.config)
@@ -86,6 +87,11 @@ def run(args) -> int:
         print(f"kvbench: warning: no SLO for request class(es) {', '.join(no_slo)} in "
               f"{cfg_path}: reports show their goodput and SLO attainment as \"no SLO\"; add "
               f"[slo.<class>] tables (ttft_ms, tpot_ms, e2e_ms) to judge them", flush=True)
+    searching = [n for n in sel.profiles if cfg.profiles[n].pacing == "search"]
+    if dist is not None and searching:
+        raise UserError(f"{cfg_path}: profile {searching[0]} is a capacity search, which runs "
+                        "its probes from this host alone; drop --workers/--expect-workers or "
+                        "pick a fixed-rate profile with --profile")
     if dist is not None and not dist.local:
         local_only = [ep.name for ep in sel.endpoints if ep.kind == "builtin"]
         if local_only:
@@ -135,7 +141,8 @@ def run(args) -> int:
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
             with progress.Progress(job, run_dir):  # quiet unless stdout is a terminal
-                out = locust.run(job, args.processes, dist)
+                out = (search.run(job, args.processes) if job.pacing == "search" else
+                       locust.run(job, args.processes, dist))
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
@@ -246,6 +253,7 @@ def _summary(run_dir: Path, meta) -> None:
           f"requests started, {total_cancelled} cancelled at the stop (not errors), "
           f"{counts['dropped_at_cap']} dropped at the in-flight cap; results in {run_dir}")
     _overloaded(frame)
+    _capacity(frame, res.meta)
     print(f"next: kvbench report {run_dir} -o report.html")
 
 
@@ -259,3 +267,22 @@ def _overloaded(frame) -> None:
         print(f"kvbench run: OVERLOADED: {r['endpoint']} x {r['workload']} stage {r['stage']}: "
               f"offered {r['offered_rps']:.2f} req/s, achieved {r['throughput_rps']:.2f} req/s "
               f"(first tokens {r['started_rps']:.2f}/s); the report's diagnosis says why")
+
+
+def _capacity(frame, meta) -> None:
+    """A capacity search's result per endpoint: the rate at SLO, its bracket, what broke."""
+    from kvbench.reports import capacity
+
+    caps = capacity.summarise(meta.stages or [], frame, (meta.config or {}).get("slo") or {})
+    gpus = {e.get("name"): e for e in meta.endpoints or []}
+    for c in caps:
+        cap = f"{c.capacity_rps:g} req/s" if c.capacity_rps is not None else "below the start"
+        fail = f", fails at {c.fail_rps:g}" if c.fail_rps is not None else ""
+        br = c.breaks or {}
+        why = (f"; {br['class']} breaks first ({br['missed']})" if br.get("class") else "")
+        ep = gpus.get(c.endpoint) or {}
+        per = capacity.per_gpu_and_cost(c, ep.get("gpus"), ep.get("gpu_hour_cost"))
+        pg = (f", {per['capacity_per_gpu']:.2f} req/s per GPU"
+              if per["capacity_per_gpu"] is not None else "")
+        print(f"kvbench run: CAPACITY at SLO: {c.endpoint} x {c.workload}: {cap}{fail}{pg} "
+              f"({c.probes} probes, {c.load_s:.0f} s of load, {c.status}){why}")

@@ -20,13 +20,36 @@ class Stage(Strict):
     requests: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
 
 
+class SearchSpec(Strict):
+    """``[profiles.<name>] pacing = "search"``: the capacity search (``kvbench.runs.search``).
+    Open loop: Poisson probes from ``start_rps``, times ``growth`` to the first failing probe,
+    then geometric bisection until the bracket is within ``precision``; a probe whose bootstrap
+    interval straddles ``target`` is run again ``refine`` times (its requests pooled)."""
+
+    start_rps: float = Field(default=1.0, gt=0, le=1e6)
+    growth: float = Field(default=2.0, gt=1, le=100)
+    target: float = Field(default=0.95, gt=0, lt=1)  # SLO attainment every class must reach
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)  # of the bootstrap interval
+    probe_s: float = Field(default=10.0, gt=0, le=3600)  # a probe's shortest load
+    min_requests: int = Field(default=30, ge=1, le=1_000_000)  # probe long enough for these
+    max_probe_s: float = Field(default=120.0, gt=0, le=3600)
+    min_class_requests: int = Field(default=5, ge=1, le=100_000)  # fewer: a class cannot pass
+    refine: int = Field(default=1, ge=0, le=10)
+    precision: float = Field(default=0.1, gt=0, le=10)  # stop when fail / pass - 1 <= this
+    budget_s: float = Field(default=300.0, gt=0, le=MAX_SECONDS)  # per endpoint x workload
+    max_rps: float = Field(default=10_000.0, gt=0, le=1e6)
+    min_rps: float = Field(default=0.05, gt=0, le=1e6)
+    settle_s: float = Field(default=30.0, ge=0, le=3600)  # most to wait for a probe's stragglers
+
+
 class LoadProfile(Strict):
     """How requests are paced. ``closed``: Locust users, one per session, each waiting for its
     response. ``poisson``/``gamma``/``constant``: open loop at ``rate_rps`` per stage.
     ``trace``: the workload's own arrival times."""
 
-    pacing: Literal["closed", "poisson", "gamma", "constant", "trace"] = "closed"
-    stages: list[Stage] = Field(min_length=1, max_length=1000)
+    pacing: Literal["closed", "poisson", "gamma", "constant", "trace", "search"] = "closed"
+    stages: list[Stage] = Field(default_factory=list, max_length=1000)  # search: none
+    search: SearchSpec | None = None  # pacing = "search": its settings (defaults if absent)
     # coefficient of variation of gaps (burstiness); real traces measure below 10
     gamma_cv: float = Field(default=2.0, gt=0, le=100)
     max_in_flight: int = Field(default=512, gt=0, le=1_000_000)  # sockets one host can open
@@ -39,6 +62,16 @@ class LoadProfile(Strict):
 
     @model_validator(mode="after")
     def _stages(self):
+        if self.pacing == "search":
+            if self.stages:
+                raise ValueError("a search profile plans its own probes; remove stages")
+            if self.search is None:
+                self.search = SearchSpec()
+            return self
+        if self.search is not None:
+            raise ValueError("search settings need pacing = \"search\"; remove search")
+        if not self.stages:
+            raise ValueError("stages needs at least one stage; add stages = [...]")
         for i, st in enumerate(self.stages):
             if self.pacing == "closed" and st.users is None:
                 raise ValueError(f"stages[{i}] needs users for closed-loop pacing; set users")

@@ -8,7 +8,8 @@
 * ``versions``: {package: version}; ``git_commit``; ``hosts``: [host names];
 * ``endpoints``: [{name, topology, url, model, kind, gpus, gpu_hour_cost}];
 * ``stages``: [{endpoint, workload, profile, index, pacing, rate_rps, users, duration_s,
-  t_start_ns, t_end_ns}];
+  t_start_ns, t_end_ns[, search: {role, verdict, why[, stop]}]}] (``search``: a capacity
+  search's probe, ``kvbench.runs.search``);
 * ``clock_offsets_ns``: {host: offset to add to that host's timestamps};
 * ``workers``: {worker "host:pid": {batches, records, lost, missing, clock_offset_ns, ...}}, a
   distributed run whose workers sent their records to the master (``runs.transport``);
@@ -212,6 +213,12 @@ def _run_json_models():
     class _Loose(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
 
+    class SearchNote(_Loose):
+        role: Optional[str] = None  # ramp | refine | bisect
+        verdict: Optional[str] = None  # pass | fail | straddle (None: cut by a stop)
+        why: Optional[str] = None
+        stop: Optional[str] = None  # "budget": the search ended after this probe
+
     class Stage(_Loose):
         endpoint: Optional[str] = None
         workload: Optional[str] = None
@@ -228,6 +235,7 @@ def _run_json_models():
         # cannot show a stall that made every stream late together
         loop_pause_max_ms: Optional[Num] = None
         loop_pauses_over_5ms: Optional[Count] = None
+        search: Optional[SearchNote] = None  # a capacity search's probe
 
     class Endpoint(_Loose):
         name: str

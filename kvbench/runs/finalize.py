@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from kvbench.core import redact, store
 from kvbench.core.errors import DataError, UserError
+from kvbench.runs import search
 
 log = logging.getLogger("kvbench.runs")
 
@@ -83,7 +84,8 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         "config": first.config if first else {},
         "versions": store.versions(), "git_commit": source_commit(),
         "hosts": sorted({m.get("host") for m in metas if m.get("host")}),
-        "endpoints": _endpoints(jobs, metas), "stages": merged["stages"],
+        "endpoints": _endpoints(jobs, metas),
+        "stages": search.annotate(run_dir, merged["stages"]),  # capacity search probes
         "clock_offsets_ns": dict(clock_offsets_ns or {}), "telemetry": dict(telemetry or {}),
         "incomplete": notes, "counts": merged["counts"], "workloads": described,
         "workloads_sent": sent, "interrupted": bool(interrupted), "interruption": interrupted,

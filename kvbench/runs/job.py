@@ -92,6 +92,7 @@ class Job:
     profile: str | None = None
     suite: str = "locust"
     config: dict = field(default_factory=dict)  # BenchConfig.public_dump() for run.json
+    search: dict | None = None  # pacing "search": SearchSpec as JSON (durations scaled)
     secret_headers: dict = field(default_factory=dict, repr=False)  # never written to a file
 
     @property
@@ -109,6 +110,9 @@ class Job:
     def label(self) -> str:
         """``test x mix (ladder: poisson at 5,15 req/s, 3 s)`` for progress lines."""
         head = f"{self.endpoint.name} x {self.workload}"
+        if self.pacing == "search":
+            return (f"{head} ({self.profile}: capacity search from "
+                    f"{self.search['start_rps']:g} req/s, budget {self.search['budget_s']:g} s)")
         if self.pacing == "closed":
             st = self.stages[self.stage_index]
             return (f"{head} ({self.profile} stage {self.stage_index + 1}/{len(self.stages)}: "
@@ -287,6 +291,12 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
                             f"{where}; use one of {sorted(cfg_eff.workloads)}")
         specs = workload_specs(cfg_eff, workload)
     prof_name, prof = _profile(cfg, profile, where)
+    search = None
+    if prof is not None and prof.pacing == "search":
+        search = prof.search.model_dump(mode="json")
+        for k in ("probe_s", "max_probe_s", "budget_s", "settle_s"):
+            search[k] *= duration_scale
+        stages = stages or [JobStage(0, search["budget_s"], search["start_rps"])]
     if stages is None:
         stages = ([JobStage(i, s.duration_s * duration_scale, s.rate_rps, s.users, s.requests)
                    for i, s in enumerate(prof.stages)] if prof is not None
@@ -320,6 +330,6 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         warm_connections=warm, ignore_eos=ignore_eos,
         slo={k: v.model_dump(mode="json") for k, v in (cfg_eff.slo if cfg_eff else {}).items()},
         run_id=run_id or new_run_id(cfg.suite.name if cfg is not None else "locust"),
-        results_dir=str(results_dir), profile=prof_name,
+        results_dir=str(results_dir), profile=prof_name, search=search,
         suite=cfg_eff.suite.name if cfg_eff is not None else "locust",
         config=cfg_eff.public_dump() if cfg_eff is not None else {}, secret_headers=secret)

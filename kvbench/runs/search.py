@@ -1,0 +1,506 @@
+"""The capacity search (``[profiles.*] pacing = "search"``): for one endpoint x workload, the
+highest offered Poisson rate at which every class with an SLO meets its attainment target.
+
+``kvbench run`` drives it (``run``): one Locust child for the whole search, fed one probe at a
+time through a control file in the run directory (``search-<endpoint>-<workload>.json``),
+which the child's dispatcher reads between stages (``ProbeFeed``) and which can cut the running
+probe. Each probe is an ordinary stage of the run (records, metrics, report and gate see
+stages); its role in the search (ramp, refine, bisect), its verdict and why it stopped are
+written beside them and land in run.json's stage entries (``annotate``, called by finalize).
+
+The plan (``Planner``): ramp geometrically from ``start_rps`` by ``growth`` to the first
+failing probe (down from the start when it fails), then bisect the bracket geometrically until
+fail / pass - 1 is within ``precision``. A probe straddling the target is run again at the
+same rate (``refine`` times; its requests pooled, so the sample grows), and counts as failed
+after that: a capacity is only claimed where it was shown. The verdict is
+``reports.capacity.probe_verdict``; while a probe runs it is cut as soon as it is saturated
+(``reports.capacity.saturated``) or its verdict can no longer change; after its schedule,
+the search waits for its stragglers only as long as they could change the verdict
+(``settle_s`` at most), so long answers do not idle the endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kvbench.core import store
+from kvbench.runs import lifeline
+
+POLL_S = 0.5  # how often the search reads the records (the shards flush about every 0.5 s)
+FEED_WAIT_S = 120.0  # a child with no control file for this long ends (no kvbench run)
+
+
+def control_path(run_dir: Path | str, endpoint: str, workload: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{endpoint}-{workload}")
+    return Path(run_dir) / f"search-{safe}.json"
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the child side
+
+@dataclass(frozen=True)
+class Probe:
+    index: int
+    rate_rps: float
+    duration_s: float
+    role: str = "ramp"  # ramp | refine | bisect
+
+
+class ProbeFeed:
+    """The load process's side: the probes kvbench run asks for, one at a time; a cut of the
+    running probe ends its arrivals and cancels its requests in flight."""
+
+    def __init__(self, run_dir: Path | str, endpoint: str, workload: str) -> None:
+        self.path = control_path(run_dir, endpoint, workload)
+
+    def probes(self, dispatcher):
+        import gevent
+
+        current = {"index": None}
+        cut_done: set = set()
+
+        def watch():
+            while True:
+                data = _read(self.path) or {}
+                i = current["index"]
+                if i is not None and i in data.get("cut", []) and i not in cut_done:
+                    cut_done.add(i)
+                    dispatcher.end_stage()
+                    # its requests in flight (a saturated queue) go; earlier probes' stay
+                    mine = [g for g in list(dispatcher.group or ())
+                            if len(getattr(g, "args", ())) > 2 and g.args[2] == i]
+                    gevent.killall(mine, block=False)
+                if data.get("done"):
+                    return
+                gevent.sleep(0.1)
+
+        watcher = gevent.spawn(watch)
+        k = 0
+        waited = 0.0
+        try:
+            while True:
+                data = _read(self.path)
+                probes = (data or {}).get("probes", [])
+                if len(probes) > k:
+                    p = probes[k]
+                    k += 1
+                    waited = 0.0
+                    current["index"] = int(p["index"])
+                    yield Probe(int(p["index"]), float(p["rate_rps"]), float(p["duration_s"]))
+                    continue
+                if data is not None and data.get("done"):
+                    return
+                if data is None and waited > FEED_WAIT_S:
+                    raise RuntimeError(f"no capacity search drives this run ({self.path} never "
+                                       "appeared); pacing = \"search\" runs under kvbench run")
+                gevent.sleep(0.05)
+                waited += 0.05
+        finally:
+            watcher.kill(block=False)
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass
+class Planner:
+    """Where to probe next, from the verdicts so far (pure; ``spec``: SearchSpec as a dict)."""
+
+    spec: dict
+    history: list = field(default_factory=list)  # (Probe, verdict)
+
+    def verdict_at(self, rate: float) -> str | None:
+        """The settled verdict at ``rate``: a straddle after its refinements counts as fail."""
+        vs = [v for p, v in self.history if p.rate_rps == rate]
+        if not vs:
+            return None
+        last = vs[-1]
+        if last == "straddle" and len(vs) > self.spec["refine"]:
+            return "fail"
+        return last
+
+    def bracket(self) -> tuple[float | None, float | None]:
+        rates = sorted({p.rate_rps for p, _ in self.history})
+        settled = {r: self.verdict_at(r) for r in rates}
+        passes = [r for r, v in settled.items() if v == "pass"]
+        lo = max(passes) if passes else None
+        fails = [r for r, v in settled.items() if v == "fail" and (lo is None or r > lo)]
+        return lo, (min(fails) if fails else None)
+
+    def duration(self, rate: float) -> float:
+        """A probe's length: ``probe_s``, longer at low rates to send ``min_requests``; a
+        refinement is as long again, its requests pooled with the earlier ones at its rate."""
+        s = self.spec
+        return min(max(s["probe_s"], s["min_requests"] / rate), s["max_probe_s"])
+
+    def next(self) -> Probe | None:
+        s = self.spec
+        index = len(self.history)
+        if self.history:
+            p, v = self.history[-1]
+            tries = sum(1 for q, _ in self.history if q.rate_rps == p.rate_rps)
+            if v == "straddle" and tries <= s["refine"]:
+                return Probe(index, p.rate_rps, self.duration(p.rate_rps), "refine")
+        lo, hi = self.bracket()
+        if not self.history:
+            rate, role = s["start_rps"], "ramp"
+        elif hi is None:
+            rate, role = lo * s["growth"], "ramp"
+            if rate > s["max_rps"]:
+                return None
+        elif lo is None:
+            rate, role = hi / s["growth"], "ramp"
+            if rate < s["min_rps"]:
+                return None
+        else:
+            if hi / lo - 1 <= s["precision"]:
+                return None
+            rate, role = math.sqrt(lo * hi), "bisect"
+        rate = float(f"{rate:.4g}")
+        return Probe(index, rate, self.duration(rate), role)
+
+    def record(self, probe: Probe, verdict: str) -> None:
+        self.history.append((probe, verdict))
+
+
+# --------------------------------------------------------------------------- the driver
+
+@dataclass
+class Result:
+    rc: int
+    error: str | None
+    log_path: Path
+    capacity_rps: float | None
+    fail_rps: float | None
+    probes: list  # [{index, rate_rps, role, verdict, why, ...}]
+
+
+def _frames(run_dir: Path, job, index: int, slo: dict):
+    """(finished records, still-running starts) of probe ``index`` as request frames."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from kvbench.reports.frame import FRAME_COLUMNS, request_frame
+
+    def mine(t):
+        m = pc.and_(pc.and_(pc.equal(t.column("endpoint"), job.endpoint.name),
+                            pc.equal(t.column("workload"), job.workload)),
+                    pc.equal(t.column("stage"), index))
+        return t.filter(m)
+
+    cols = sorted(set(FRAME_COLUMNS) | {"chunk_offsets_ns", "request_id", "worker"})
+    recs = mine(store.read_table(run_dir, "requests", cols, parquet=False))
+    starts = mine(store.read_starts(run_dir))
+    done_ids = set(zip(recs.column("worker").to_pylist(), recs.column("request_id").to_pylist()))
+    keep = [(w, r) not in done_ids for w, r in zip(starts.column("worker").to_pylist(),
+                                                   starts.column("request_id").to_pylist())]
+    pend = starts.filter(pa.array(keep, pa.bool_())) if len(keep) else starts
+    done = request_frame(recs, slo=slo) if recs.num_rows else None
+    pending = None
+    if pend.num_rows:
+        n = pend.num_rows
+        cols_p = {c: pend.column(c) for c in pend.column_names}
+        full = {}
+        for f in store.TABLES["requests"]:
+            full[f.name] = cols_p.get(f.name, pa.nulls(n, f.type))
+        full["status"] = pa.array(["cancelled"] * n)
+        table = pa.table({k: (v if isinstance(v, (pa.Array, pa.ChunkedArray)) else v)
+                          for k, v in full.items()})
+        pending = request_frame(table.select([c for c in cols if c in table.column_names]),
+                                slo=slo)
+    sent = starts.column("t_sent").to_numpy(zero_copy_only=False).astype(np.int64)
+    sched = starts.column("t_scheduled").to_numpy(zero_copy_only=False).astype(np.int64)
+    recent = sent >= (sent.max() - 1_000_000_000) if len(sent) else sent.astype(bool)
+    lateness = float(np.median(sent[recent] - sched[recent]) / 1e6) if recent.any() else None
+    return done, pending, {"lateness_ms": lateness, "sent": len(sent),
+                           "first_ns": int(sched.min()) if len(sched) else None}
+
+
+def _empty_like(frame):
+    return frame.iloc[0:0] if frame is not None else None
+
+
+class Watch:
+    """One probe being judged: ``step`` reads its requests so far and says its verdict once it
+    is known (None before). While its schedule runs it is cut when saturated or already failed;
+    after it, its verdict waits for the stragglers only as long as they could change it."""
+
+    def __init__(self, run_dir: Path, job, probe: Probe, pooled: list[int], spec: dict,
+                 t_start: float, e2e_ref_s: float | None) -> None:
+        self.run_dir, self.job, self.probe, self.spec = run_dir, job, probe, spec
+        self.t_start = t_start
+        self.end = t_start + probe.duration_s
+        self.settle_end = self.end + spec["settle_s"]
+        self.e2e_ref_s = e2e_ref_s
+        self.kw = dict(target=spec["target"], confidence=spec["confidence"],
+                       min_class_requests=spec["min_class_requests"], seed=probe.index)
+        self.old = [f for i in pooled for f in _frames(run_dir, job, i, job.slo)[:1]
+                    if f is not None]
+        self.cut = False
+
+    def running(self, now: float) -> bool:
+        return now < self.end and not self.cut
+
+    def step(self, now: float) -> tuple[str | None, str]:
+        import pandas as pd
+
+        from kvbench.reports import capacity as C
+
+        done, pending, load = _frames(self.run_dir, self.job, self.probe.index, self.job.slo)
+        frames = self.old + ([done] if done is not None else [])
+        d = pd.concat(frames, ignore_index=True) if frames else None
+        n_pend = 0 if pending is None else len(pending)
+        if d is None:
+            if now > self.settle_end:
+                return "fail", "no request of the probe finished"
+            return None, ""
+        p = pending if pending is not None else d.iloc[0:0]
+        decided, v = C.bounded_verdict(d, p, self.job.slo, **self.kw)
+        if now < self.end:
+            elapsed = now - self.t_start
+            sat = (C.saturated(n_pend, elapsed, self.probe.rate_rps, self.e2e_ref_s,
+                               load["lateness_ms"])
+                   or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
+            if sat or decided == "fail":
+                self.cut = True
+                why = f"saturated: {sat}" if sat else _why(v)
+                return "fail", f"cut after {now - self.t_start:.1f} s: {why}"
+            return None, ""
+        if decided is not None:
+            return decided, _why(v) + (f" ({n_pend} still running: the verdict holds "
+                                       "whatever their outcome)" if n_pend else "")
+        if now > self.settle_end:  # stragglers still running: they missed their chance
+            return v.verdict, (_why(v) + f" ({n_pend} still running {self.spec['settle_s']:g} s "
+                               "after the probe: counted as misses)")
+        return None, ""
+
+
+def _why(v) -> str:
+    w = v.worst
+    if w is None:
+        return "no request with an SLO"
+    miss = f", mostly {w.missed}" if w.missed and w.attainment < 1 else ""
+    return (f"worst class {w.request_class}: {w.met}/{w.requests} within SLO "
+            f"[{w.low:.2f}, {w.high:.2f}]{miss}")
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(job, processes: int = 1, say=_say) -> Result:
+    """Search ``job``'s endpoint x workload; every probe is a stage of one Locust child.
+
+    Pipelined: when a probe's schedule ends before its verdict is known (answers still
+    streaming), the next probe starts at once on the assumption that it passed; if it did not,
+    that next probe is cut and marked void (no verdict), and the search goes on from the real
+    verdict. One probe at most is speculative."""
+    from kvbench.runs import locust
+
+    spec = job.search
+    run_dir = job.run_dir
+    ctl = control_path(run_dir, job.endpoint.name, job.workload)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = {"probes": [], "cut": [], "done": False, "notes": []}
+    _write(ctl, state)
+    job_file = job.save(run_dir / job.file_name())
+    cmd, limit = locust.command(job, job_file, processes)
+    log_path = run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
+    env = {**os.environ, **job.secret_env(), **lifeline.child_env()}
+    planner = Planner(spec)
+    t0 = time.monotonic()
+    ref = {"e2e": None}
+    entries: dict[int, dict] = {}
+
+    def cut(i):
+        state["cut"].append(i)
+        _write(ctl, state)
+
+    def settle(w: Watch, verdict: str, why: str) -> str:
+        """Record ``w``'s verdict in the plan and the control file; the settled verdict."""
+        planner.record(w.probe, verdict)
+        if verdict == "straddle" and planner.verdict_at(w.probe.rate_rps) == "fail":
+            verdict = "fail"  # no capacity is claimed where it was not shown
+            why += f"; still straddling after {spec['refine']} refinement(s)"
+        entries[w.probe.index].update(verdict=verdict, why=why)
+        _write(ctl, state)
+        if verdict == "pass":
+            ref["e2e"] = _e2e_mean_s(run_dir, job, w.probe.index) or ref["e2e"]
+        p = w.probe
+        say(f"    probe {p.index + 1} ({p.role}) {p.rate_rps:g} req/s, {p.duration_s:g} s: "
+            f"{verdict.upper()}: {why}")
+        return verdict
+
+    def start(probe: Probe) -> Watch | None:
+        entry = {"index": probe.index, "rate_rps": probe.rate_rps,
+                 "duration_s": probe.duration_s, "role": probe.role}
+        entries[probe.index] = entry
+        state["probes"].append(entry)
+        _write(ctl, state)
+        t_start = _wait_started(run_dir, job, probe.index, child)
+        if t_start is None:
+            return None
+        pooled = [q.index for q, _ in planner.history if q.rate_rps == probe.rate_rps]
+        return Watch(run_dir, job, probe, pooled, spec, t_start, ref["e2e"])
+
+    def plan(after: Watch | None = None) -> Probe | None:
+        """The next probe (assuming ``after`` passes, if given), within the budget."""
+        if after is not None:
+            hyp = Planner(spec, list(planner.history))
+            hyp.record(after.probe, "pass")
+            probe = hyp.next()
+        else:
+            probe = planner.next()
+        if probe is None:
+            return None
+        probe = replace(probe, index=len(state["probes"]))
+        spent = time.monotonic() - t0
+        if spent + probe.duration_s > spec["budget_s"]:
+            if not state["notes"]:
+                state["notes"].append({"stop": "budget", "after_s": round(spent, 1)})
+            return None
+        return probe
+
+    with open(log_path, "w") as logf:
+        child = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+        try:
+            probe = plan()
+            current = start(probe) if probe else None
+            behind: Watch | None = None  # a probe whose stragglers are still being judged
+            while current is not None or behind is not None:
+                time.sleep(POLL_S)
+                if child.poll() is not None:
+                    break
+                now = time.monotonic()
+                if behind is not None:
+                    v, why = behind.step(now)
+                    if v is not None:
+                        behind_index = behind.probe.index
+                        v = settle(behind, v, why)
+                        behind = None
+                        if v != "pass" and current is not None:  # the guess was wrong
+                            cut(current.probe.index)
+                            entries[current.probe.index].update(
+                                verdict=None, role=current.probe.role + " (void)",
+                                why=f"started assuming probe {behind_index + 1} passed")
+                            _write(ctl, state)
+                            planner_probe = plan()
+                            current = start(planner_probe) if planner_probe else None
+                            continue
+                        if current is None:  # nothing speculative ran: plan from the verdict
+                            nxt = plan()
+                            current = start(nxt) if nxt else None
+                            continue
+                if current is None:
+                    continue
+                was_running = current.running(now)
+                v, why = current.step(now)
+                if was_running:
+                    if v is not None:  # cut: saturated or failed already
+                        cut(current.probe.index)
+                        settle(current, v, why)
+                        current = None
+                    else:
+                        continue
+                elif v is not None:
+                    settle(current, v, why)
+                    current = None
+                elif behind is None:  # schedule over, verdict pending: speculate
+                    behind, current = current, None
+                else:
+                    continue
+                if current is None and behind is None:
+                    nxt = plan()
+                    current = start(nxt) if nxt else None
+                elif current is None and behind is not None:
+                    nxt = plan(after=behind)
+                    current = start(nxt) if nxt else None
+        except BaseException:
+            locust.stop(child)
+            raise
+        finally:
+            state["done"] = True
+            _write(ctl, state)
+        try:
+            rc = child.wait(max(60.0, job.drain_s + 30.0))
+        except subprocess.TimeoutExpired:
+            rc = locust.stop(child)
+        finally:
+            locust._scrub(log_path)
+    lo, hi = planner.bracket()
+    return Result(rc, locust._error(log_path, rc, job), log_path, lo, hi, state["probes"])
+
+
+def _wait_started(run_dir: Path, job, index: int, child, wait_s: float = 120.0):
+    """The monotonic time probe ``index`` began (its stage opened in a sidecar)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            return None
+        for m in store.read_proc_meta(run_dir):
+            st = m.get("open_stage") or {}
+            done = [s.get("index") for s in m.get("stages", [])
+                    if s.get("endpoint") == job.endpoint.name]
+            if (st.get("index") == index and st.get("endpoint") == job.endpoint.name) \
+                    or index in done:
+                ago = (time.time_ns() - int(st.get("t_start_ns") or time.time_ns())) / 1e9
+                return time.monotonic() - max(0.0, ago)
+        time.sleep(0.05)
+    return None
+
+
+def _e2e_mean_s(run_dir: Path, job, index: int) -> float | None:
+    import pyarrow.compute as pc
+
+    t = store.read_table(run_dir, "requests", ["endpoint", "workload", "stage", "status",
+                                               "e2e_ns"], parquet=False)
+    m = pc.and_(pc.and_(pc.equal(t.column("endpoint"), job.endpoint.name),
+                        pc.equal(t.column("workload"), job.workload)),
+                pc.and_(pc.equal(t.column("stage"), index), pc.equal(t.column("status"), "ok")))
+    v = pc.mean(t.filter(m).column("e2e_ns")).as_py()
+    return v / 1e9 if v else None
+
+
+# --------------------------------------------------------------------------- run.json
+
+def annotate(run_dir: Path | str, stages: list[dict]) -> list[dict]:
+    """run.json stages with each probe's ``search`` note ({role, verdict, why[, stop]}) from
+    the control files of the run's searches."""
+    notes = {}
+    for path in Path(run_dir).glob("search-*.json"):
+        data = _read(path) or {}
+        stop = next((n.get("stop") for n in data.get("notes", [])), None)
+        probes = data.get("probes", [])
+        for k, p in enumerate(probes):
+            note = {"role": p.get("role"), "verdict": p.get("verdict"), "why": p.get("why")}
+            if stop and k == len(probes) - 1:
+                note["stop"] = stop
+            notes[(path.name, p.get("index"))] = note
+    if not notes:
+        return stages
+    out = []
+    for st in stages:
+        key = (control_path("", st.get("endpoint", ""), st.get("workload", "")).name,
+               st.get("index"))
+        out.append({**st, "search": notes[key]} if key in notes else st)
+    return out

@@ -1,0 +1,263 @@
+"""Capacity at SLO: the verdict of one probe of a capacity search, and the capacity a search
+found, from the probes' requests. Pure pandas/numpy: ``kvbench.runs.search`` calls it while
+it searches, the report calls it on the finished run.
+
+A probe is judged per request class that has an SLO: its attainment (requests within every SLO
+of the class, over the class's requests of the probe) gets a bootstrap interval (binomial
+draws of the count, ``resampling.count_replicates``). The class *passes* when the interval's
+lower bound clears the target, *fails* when its upper bound misses it, and *straddles*
+otherwise (also when it has fewer than ``min_class_requests`` requests and has not failed).
+The probe passes when every class passes, fails when any class fails, and straddles
+otherwise. A request cancelled in a probe (a cut at saturation, or still unanswered when the
+search moved on) counts as a miss: it was not served within its SLO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from kvbench.reports import resampling
+
+TARGET = 0.95
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+SLO_KINDS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"))
+
+
+@dataclass
+class ClassVerdict:
+    request_class: str
+    requests: int
+    met: int
+    attainment: float
+    low: float
+    high: float
+    verdict: str  # pass | fail | straddle
+    missed: str | None = None  # the SLO missed most often: TTFT, TPOT, E2E or "errors"
+    misses: dict = field(default_factory=dict)  # SLO kind -> requests that missed it
+
+
+@dataclass
+class ProbeVerdict:
+    verdict: str  # pass | fail | straddle | empty
+    classes: list  # [ClassVerdict], worst attainment first
+
+    @property
+    def worst(self) -> ClassVerdict | None:
+        """The class that decides the verdict: the first failing one, else the lowest."""
+        failing = [c for c in self.classes if c.verdict == "fail"]
+        return failing[0] if failing else self.classes[0] if self.classes else None
+
+
+def _limit(slo: dict, cls: str, key: str):
+    cfg = slo.get(cls)
+    if cfg is None:
+        return None
+    v = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+    return None if v is None else float(v)
+
+
+def misses_by_slo(sub: pd.DataFrame, slo: dict, cls: str) -> dict:
+    """How many of a class's requests missed each of its SLOs (and how many failed)."""
+    out = {}
+    ok = sub["ok"].to_numpy()
+    n_bad = int((~ok).sum())
+    if n_bad:
+        out["errors or cut"] = n_bad
+    for key, name in SLO_KINDS:
+        limit = _limit(slo, cls, key)
+        if limit is None:
+            continue
+        v = sub[key].to_numpy(np.float64)
+        out[name] = int((ok & (v > limit)).sum())
+    return out
+
+
+def class_verdict(flags: np.ndarray, cls: str, *, target: float = TARGET,
+                  confidence: float = CONFIDENCE, min_requests: int = 1,
+                  rng: np.random.Generator | None = None) -> ClassVerdict:
+    """The verdict on one class from its per-request "within SLO" flags."""
+    flags = np.asarray(flags, bool)
+    n = len(flags)
+    if n == 0:
+        return ClassVerdict(cls, 0, 0, math.nan, math.nan, math.nan, "straddle")
+    rng = rng if rng is not None else np.random.default_rng(0)
+    met = int(flags.sum())
+    est = met / n
+    reps = resampling.count_replicates(flags, RESAMPLES, rng) / n
+    ci = resampling.interval(est, reps, confidence)
+    if ci.high < target:
+        verdict = "fail"
+    elif ci.low >= target and n >= min_requests:
+        verdict = "pass"
+    else:
+        verdict = "straddle"
+    return ClassVerdict(cls, n, met, est, ci.low, ci.high, verdict)
+
+
+def probe_verdict(frame: pd.DataFrame, slo: dict, *, target: float = TARGET,
+                  confidence: float = CONFIDENCE, min_class_requests: int = 1,
+                  seed: int = 0) -> ProbeVerdict:
+    """The verdict on a probe's requests (``reports.frame.request_frame`` rows: request_class,
+    ok, cancelled, slo_met, has_slo and the latency columns). Only classes with an SLO count."""
+    rng = np.random.default_rng(seed)
+    judged = frame[frame["has_slo"].to_numpy(bool)] if len(frame) else frame
+    classes = []
+    for cls, sub in judged.groupby("request_class", observed=True, sort=True):
+        if not len(sub):
+            continue
+        flags = sub["slo_met"].to_numpy(bool) & sub["ok"].to_numpy(bool)
+        cv = class_verdict(flags, str(cls), target=target, confidence=confidence,
+                           min_requests=min_class_requests, rng=rng)
+        cv.misses = misses_by_slo(sub, slo, str(cls))
+        # the SLO answered requests missed most; errors and cuts only when none missed one
+        slos = {k: n for k, n in cv.misses.items() if k != "errors or cut" and n}
+        worst = max(slos.items(), key=lambda kv: kv[1], default=(None, 0))
+        cv.missed = worst[0] if worst[1] else ("errors or cut" if cv.misses.get(
+            "errors or cut") else None)
+        classes.append(cv)
+    if not classes:
+        return ProbeVerdict("empty", [])
+    classes.sort(key=lambda c: (c.attainment, c.request_class))
+    verdicts = {c.verdict for c in classes}
+    v = "fail" if "fail" in verdicts else "pass" if verdicts == {"pass"} else "straddle"
+    return ProbeVerdict(v, classes)
+
+
+def bounded_verdict(done: pd.DataFrame, pending: pd.DataFrame, slo: dict,
+                    **kw) -> tuple[str | None, ProbeVerdict]:
+    """The verdict on a probe with requests still running (``pending``: rows of the same
+    shape, any outcome): decided when it is the same whether they all meet their SLOs or all
+    miss them (None otherwise), with the pessimistic verdict's detail."""
+    if not len(pending):
+        v = probe_verdict(done, slo, **kw)
+        return v.verdict, v
+    good = pending.assign(ok=True, cancelled=False, slo_met=True)
+    bad = pending.assign(ok=False, cancelled=True, slo_met=False)
+    hi = probe_verdict(pd.concat([done, good], ignore_index=True), slo, **kw)
+    lo = probe_verdict(pd.concat([done, bad], ignore_index=True), slo, **kw)
+    if lo.verdict != hi.verdict:
+        return None, lo
+    # a pass that holds when they all miss: the pessimistic detail; a failure (or straddle)
+    # that holds when they all succeed: the optimistic one names what really missed
+    return lo.verdict, (lo if lo.verdict == "pass" else hi)
+
+
+def saturated(pending: int, elapsed_s: float, rate_rps: float, e2e_ref_s: float | None,
+              lateness_ms: float | None = None) -> str | None:
+    """Why a running probe is saturated (None: not saturated as far as can be told): the
+    requests in flight far above what Little's law allows at the probe's rate with the
+    response time of the last passing probe (the queue grows), or the load generator sending
+    late (it cannot keep up with the schedule)."""
+    if lateness_ms is not None and lateness_ms > 500:
+        return f"the load generator sends {lateness_ms:.0f} ms late (median, last second)"
+    if e2e_ref_s is None or elapsed_s < 2 * max(1.0, e2e_ref_s):
+        return None
+    expected = rate_rps * e2e_ref_s
+    if pending >= max(10, 4 * expected):
+        return (f"{pending} requests in flight against about {expected:.0f} at a steady "
+                f"state: the queue grows")
+    return None
+
+
+def short_of_offered(sent: int, elapsed_s: float, rate_rps: float) -> str | None:
+    """Why the load generator is not offering the probe's rate (None: it is): it sent
+    clearly fewer requests than the rate asks for (``overload.verdict``'s test: dropped at
+    its in-flight cap, or too busy to send on time), so the endpoint is not being offered
+    the rate the probe claims."""
+    from kvbench.reports import overload
+
+    if elapsed_s < 2.0:
+        return None
+    below, _ = overload.verdict(sent, int(rate_rps * elapsed_s), elapsed_s, rate_rps)
+    if below:
+        return (f"the load generator sent {sent} requests in {elapsed_s:.1f} s, not the "
+                f"{rate_rps * elapsed_s:.0f} the rate asks for (in-flight cap or its own CPU)")
+    return None
+
+
+# --------------------------------------------------------------------------- the result
+
+@dataclass
+class Capacity:
+    """What a search found for one endpoint x workload."""
+
+    endpoint: str
+    workload: str
+    capacity_rps: float | None  # the highest passing rate (None: even the lowest failed)
+    fail_rps: float | None  # the lowest failing rate above it (None: never failed)
+    status: str  # bracketed | no pass | no failure | budget
+    probes: int
+    load_s: float
+    breaks: dict | None  # {class, missed, attainment, low, high, rate_rps} at the first fail
+    at_capacity: dict | None  # {attainment low/high of the worst class, output_tps, ...}
+
+
+def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
+              **kw) -> list[Capacity]:
+    """One ``Capacity`` per searched endpoint x workload: from run.json's stages (their
+    ``search`` notes: rate and verdict each probe got) and the probes' requests (``frame``:
+    ``reports.frame.request_frame`` of the run), the bracket between the highest passing
+    rate and the lowest failing one, the class that broke first and which SLO it missed."""
+    out = []
+    searched = [s for s in stages if s.get("search")]
+    keys = sorted({(s.get("endpoint"), s.get("workload")) for s in searched})
+    for ep, wl in keys:
+        probes = [s for s in searched if (s.get("endpoint"), s.get("workload")) == (ep, wl)]
+        sub = frame[(frame["endpoint"].astype(str) == ep) & (frame["workload"].astype(str) == wl)]
+        passes = [s["rate_rps"] for s in probes if s["search"].get("verdict") == "pass"]
+        fails = [s["rate_rps"] for s in probes if s["search"].get("verdict") == "fail"]
+        cap = max(passes) if passes else None
+        above = [r for r in fails if cap is None or r > cap]
+        fail = min(above) if above else None
+        notes = {s["search"].get("stop") for s in probes if s["search"].get("stop")}
+        status = ("no pass" if cap is None else "no failure" if fail is None else "bracketed")
+        if "budget" in notes:
+            status += " (budget)"
+        breaks = None
+        if fail is not None:
+            idx = [s["index"] for s in probes if s["rate_rps"] == fail]
+            v = probe_verdict(sub[np.isin(sub["stage"], idx)], slo, **kw)
+            w = next((c for c in v.classes if c.verdict == "fail"), v.worst)
+            if w is not None:
+                breaks = {"class": w.request_class, "missed": w.missed,
+                          "attainment": w.attainment, "low": w.low, "high": w.high,
+                          "rate_rps": fail, "misses": w.misses}
+        at = None
+        if cap is not None:
+            idx = [s["index"] for s in probes if s["rate_rps"] == cap]
+            rows = sub[np.isin(sub["stage"], idx)]
+            v = probe_verdict(rows, slo, **kw)
+            wall = sum(s.get("duration_s") or 0 for s in probes if s["rate_rps"] == cap)
+            out_tok = float(np.nansum(rows.loc[rows["ok"], "completion_tokens"]))
+            w = v.worst
+            at = {"worst_class": w.request_class if w else None,
+                  "attainment": w.attainment if w else math.nan,
+                  "low": w.low if w else math.nan, "high": w.high if w else math.nan,
+                  "output_tps": out_tok / wall if wall > 0 else math.nan,
+                  "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum())))}
+        out.append(Capacity(ep, wl, cap, fail, status, len(probes),
+                            float(sum(s.get("duration_s") or 0 for s in probes)), breaks, at))
+    return out
+
+
+def per_gpu_and_cost(cap: Capacity, gpus: int | None, gpu_hour_cost: float | None) -> dict:
+    """Capacity per GPU (req/s), output tokens/s per GPU and cost per million output tokens
+    at the capacity point (``gpu_hour_cost`` per GPU; None where unknown)."""
+    out = {"capacity_per_gpu": None, "output_tps_per_gpu": None, "usd_per_mtok": None,
+           "capacity_per_usd_hour": None}
+    if cap.capacity_rps is None or not gpus:
+        return out
+    out["capacity_per_gpu"] = cap.capacity_rps / gpus
+    tps = (cap.at_capacity or {}).get("output_tps")
+    if tps is not None and tps == tps and tps > 0:
+        out["output_tps_per_gpu"] = tps / gpus
+        if gpu_hour_cost:
+            out["usd_per_mtok"] = gpus * gpu_hour_cost / (tps * 3600) * 1e6
+    if gpu_hour_cost:
+        out["capacity_per_usd_hour"] = cap.capacity_rps / (gpus * gpu_hour_cost)
+    return out

@@ -1,0 +1,205 @@
+"""Capacity search, the pure parts: the probe verdict (reports/capacity.py) on synthetic
+attainment data, and the plan (kvbench/runs/search.py Planner) against an oracle endpoint
+whose capacity is known."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from hypothesis import given, settings, strategies as st
+
+from kvbench.config import load_config
+from kvbench.reports import capacity as C
+from kvbench.reports.resampling import count_replicates, interval
+from kvbench.runs.search import Planner, Probe
+
+ROOT = Path(__file__).resolve().parent.parent
+SLO = {"chat": {"ttft_ms": 500, "tpot_ms": 50}, "rag": {"ttft_ms": 1000}}
+SPEC = {"start_rps": 1.0, "growth": 2.0, "target": 0.95, "confidence": 0.95, "probe_s": 10.0,
+        "min_requests": 30, "max_probe_s": 60.0, "min_class_requests": 5, "refine": 1,
+        "precision": 0.1, "budget_s": 10_000.0, "max_rps": 10_000.0, "min_rps": 0.05,
+        "settle_s": 10.0}
+
+
+def frame(rows):
+    """request_frame-like rows: (class, ttft_ms, tpot_ms, status)."""
+    df = pd.DataFrame(rows, columns=["request_class", "ttft_ms", "tpot_ms", "status"])
+    df["ok"] = df["status"] == "ok"
+    df["cancelled"] = df["status"] == "cancelled"
+    df["e2e_ms"] = df["ttft_ms"] + 100 * df["tpot_ms"]
+    met = []
+    for _, r in df.iterrows():
+        s = SLO.get(r["request_class"], {})
+        met.append(bool(r["ok"]) and all(r[k] <= v for k, v in s.items()))
+    df["slo_met"] = met
+    df["has_slo"] = df["request_class"].isin(list(SLO))
+    df["request_class"] = df["request_class"].astype("category")
+    return df
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 400), frac=st.floats(0, 1), target=st.floats(0.5, 0.99),
+       seed=st.integers(0, 2**16))
+def test_class_verdict_follows_its_bootstrap_interval(n, frac, target, seed):
+    met = int(round(frac * n))
+    flags = np.zeros(n, bool)
+    flags[:met] = True
+    v = C.class_verdict(flags, "c", target=target, rng=np.random.default_rng(seed))
+    ci = interval(met / n, count_replicates(flags, C.RESAMPLES, np.random.default_rng(seed)) / n)
+    assert (v.low, v.high) == (ci.low, ci.high)
+    assert v.low <= v.attainment <= v.high
+    if ci.low >= target:
+        assert v.verdict == "pass"
+    elif ci.high < target:
+        assert v.verdict == "fail"
+    else:
+        assert v.verdict == "straddle"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(40, 300), misses=st.integers(0, 300))
+def test_clear_cases(n, misses):
+    misses = min(misses, n)
+    flags = np.r_[np.zeros(misses, bool), np.ones(n - misses, bool)]
+    v = C.class_verdict(flags, "c", target=0.95)
+    if misses == 0:
+        assert v.verdict == "pass"  # every request within SLO
+    if misses >= 0.2 * n:
+        assert v.verdict == "fail"  # 80% at most, on at least 40 requests
+
+
+def test_too_few_requests_cannot_pass_but_can_fail():
+    assert C.class_verdict(np.ones(3, bool), "c", min_requests=5).verdict == "straddle"
+    assert C.class_verdict(np.zeros(3, bool), "c", min_requests=5).verdict == "fail"
+
+
+def test_probe_verdict_names_the_failing_class_and_the_slo_it_missed():
+    rows = [("chat", 30, 20, "ok")] * 60 + [("rag", 100, 20, "ok")] * 45 \
+        + [("rag", 1500, 20, "ok")] * 15 + [("trace", 1e6, 1e6, "ok")] * 5
+    v = C.probe_verdict(frame(rows), SLO)
+    assert v.verdict == "fail"
+    assert v.worst.request_class == "rag" and v.worst.missed == "TTFT"
+    assert v.worst.misses == {"TTFT": 15}
+    assert {c.request_class for c in v.classes} == {"chat", "rag"}  # no SLO: not judged
+    tpot = frame([("chat", 30, 20, "ok")] * 40 + [("chat", 30, 80, "ok")] * 20)
+    assert C.probe_verdict(tpot, SLO).worst.missed == "TPOT"
+
+
+def test_a_cancelled_request_of_a_probe_is_a_miss():
+    rows = [("chat", 30, 20, "ok")] * 40 + [("chat", math.nan, math.nan, "cancelled")] * 20
+    v = C.probe_verdict(frame(rows), SLO)
+    assert v.verdict == "fail" and v.worst.missed == "errors or cut"
+
+
+def test_bounded_verdict_waits_only_while_pending_requests_could_change_it():
+    done = frame([("chat", 30, 20, "ok")] * 200)
+    few = frame([("chat", math.nan, math.nan, "cancelled")] * 2)
+    many = frame([("chat", math.nan, math.nan, "cancelled")] * 60)
+    assert C.bounded_verdict(done, few, SLO)[0] == "pass"  # passes even if both miss
+    assert C.bounded_verdict(done, many, SLO)[0] is None  # 60 misses would fail it
+    bad = frame([("chat", 900, 20, "ok")] * 100)
+    decided, v = C.bounded_verdict(bad, many, SLO)
+    assert decided == "fail" and v.worst.missed == "TTFT"
+
+
+def test_saturation_signals():
+    # Little's law: 6 req/s x 1 s answers = 6 in flight at a steady state
+    assert C.saturated(8, 5.0, 6.0, 1.0) is None
+    assert "queue grows" in C.saturated(40, 5.0, 6.0, 1.0)
+    assert C.saturated(40, 1.0, 6.0, 1.0) is None  # too early to tell
+    assert "late" in C.saturated(0, 1.0, 6.0, None, lateness_ms=900)
+    assert C.short_of_offered(98, 10.0, 10.0) is None
+    assert "sent 40 requests" in C.short_of_offered(40, 10.0, 10.0)
+
+
+# --------------------------------------------------------------------------- the plan
+
+def search(capacity, spec=SPEC, noise=None):
+    """Run the planner against an oracle that passes at or below ``capacity``; straddles
+    within ``noise`` (relative) of it."""
+    p = Planner(dict(spec))
+    spent = 0.0
+    while (probe := p.next()) is not None:
+        assert probe.index == len(p.history)
+        if spent + probe.duration_s > spec["budget_s"]:
+            break
+        spent += probe.duration_s
+        r = probe.rate_rps
+        v = ("straddle" if noise and abs(r / capacity - 1) < noise else
+             "pass" if r <= capacity else "fail")
+        p.record(probe, v)
+    return p, spent
+
+
+@settings(max_examples=100, deadline=None)
+@given(capacity=st.floats(0.2, 2000), start=st.floats(0.1, 50), growth=st.floats(1.3, 4))
+def test_planner_brackets_a_known_capacity(capacity, start, growth):
+    spec = dict(SPEC, start_rps=start, growth=growth)
+    p, _ = search(capacity, spec)
+    lo, hi = p.bracket()
+    assert lo is not None and hi is not None
+    assert lo <= capacity < hi
+    assert hi / lo - 1 <= spec["precision"] + 1e-3  # bisected to the precision asked
+    roles = [q.role for q, _ in p.history]
+    first_fail = next(i for i, (_, v) in enumerate(p.history) if v == "fail")
+    assert all(r == "ramp" for r in roles[:first_fail + 1])
+    ramp = math.ceil(abs(math.log(capacity / start)) / math.log(growth)) + 1
+    bisect = math.ceil(math.log2(math.log(growth) / math.log(1 + spec["precision"]))) + 1
+    assert len(p.history) <= ramp + max(0, bisect)
+
+
+def test_planner_refines_a_straddle_then_counts_it_as_a_failure():
+    p, _ = search(10.0, dict(SPEC, start_rps=10.0), noise=0.01)
+    probes = [q for q, _ in p.history]
+    assert probes[0].rate_rps == probes[1].rate_rps == 10.0
+    assert probes[1].role == "refine" and probes[1].duration_s == probes[0].duration_s
+    assert p.verdict_at(10.0) == "fail"  # still straddling after its refinement
+    lo, hi = p.bracket()
+    assert hi == 10.0 and lo < 10.0
+
+
+def test_planner_stays_within_its_budget():
+    spec = dict(SPEC, budget_s=45.0, probe_s=10.0, min_requests=1)
+    p, spent = search(100.0, spec)
+    assert spent <= 45.0 and len(p.history) == 4  # 10 s each: a fifth would overrun
+    p2 = Planner(dict(SPEC, probe_s=5.0, min_requests=30))
+    assert p2.duration(1.0) == 30.0  # long enough for min_requests at a low rate
+    assert p2.duration(100.0) == 5.0
+    assert p2.duration(0.1) == 60.0  # capped by max_probe_s
+
+
+def test_first_probe_failing_ramps_down():
+    p, _ = search(0.3, dict(SPEC, start_rps=4.0))
+    lo, hi = p.bracket()
+    assert lo <= 0.3 < hi
+    assert p.history[1][0].rate_rps == 2.0
+
+
+def test_summarise_reads_bracket_and_breaking_class_from_stages():
+    rows_pass = [("chat", 30, 20, "ok")] * 40 + [("rag", 100, 20, "ok")] * 40
+    rows_fail = [("chat", 30, 90, "ok")] * 40 + [("rag", 100, 20, "ok")] * 40
+    f = pd.concat([frame(rows_pass).assign(stage=0), frame(rows_fail).assign(stage=1)],
+                  ignore_index=True)
+    f["endpoint"], f["workload"] = "ep", "mix"
+    f["completion_tokens"] = 100.0
+    stages = [{"endpoint": "ep", "workload": "mix", "index": 0, "rate_rps": 4.0,
+               "duration_s": 10.0, "search": {"role": "ramp", "verdict": "pass"}},
+              {"endpoint": "ep", "workload": "mix", "index": 1, "rate_rps": 8.0,
+               "duration_s": 10.0, "search": {"role": "ramp", "verdict": "fail"}}]
+    (cap,) = C.summarise(stages, f, SLO)
+    assert (cap.capacity_rps, cap.fail_rps, cap.status) == (4.0, 8.0, "bracketed")
+    assert cap.breaks["class"] == "chat" and cap.breaks["missed"] == "TPOT"
+    assert cap.at_capacity["output_tps"] == 800.0  # 80 answers x 100 tokens over 10 s
+    per = C.per_gpu_and_cost(cap, 2, 3.0)
+    assert per["capacity_per_gpu"] == 2.0
+    # $6 an hour for 800 tokens/s: 6 / (800 * 3600) per token
+    assert math.isclose(per["usd_per_mtok"], 6 / (800 * 3600) * 1e6)
+
+
+def test_default_config_is_the_capacity_bake_off():
+    cfg = load_config(ROOT / "bench.toml")
+    prof = cfg.profiles[cfg.suite.profile]
+    assert prof.pacing == "search" and prof.search.target == 0.95
+    assert cfg.profiles["ladder"].pacing == "poisson"  # kept: `kvbench run --profile ladder`
+    assert {e.topology for e in cfg.endpoints} == {"colocated", "disaggregated", "offloaded"}
