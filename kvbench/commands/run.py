@@ -53,7 +53,8 @@ def run(args) -> int:
     from kvbench.config import load_config
     from kvbench.config.parse import classes_without_slo
     from kvbench.core import store
-    from kvbench.runs import builtin, finalize, locust, matrix, preflight, telemetry
+    from kvbench import engines
+    from kvbench.runs import builtin, cache, finalize, locust, matrix, preflight, telemetry
     from kvbench.workloads.registry import make_workload
 
     cfg_path = Path(args.config)
@@ -83,6 +84,7 @@ def run(args) -> int:
     collectors = None
     notes: dict = {"telemetry": {}, "incomplete": [], "clock_offsets_ns": {}}
     jobs = []
+    cache_states: list = []  # per job: the cache state it started from (run.json)
     interrupted: Interrupted | None = None
     previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
     try:
@@ -94,10 +96,11 @@ def run(args) -> int:
             else:
                 url = ep.url.rstrip("/")
             targets.append((ep, url))
-        checked = []
+        checked, adapters = [], {}
         for ep, url in targets:
             c = preflight.check(ep, url, workloads)
             checked.append((ep, url, c.model, c.max_context_tokens))
+            adapters[ep.name] = engines.get(c.engine)
         jobs = matrix.jobs(cfg, sel, checked, run_id=run_id, results_dir=results_dir,
                            duration_scale=args.duration_scale)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +113,12 @@ def run(args) -> int:
             label = job.label()
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
+            job, state = cache.prepare(job, adapters[job.endpoint.name], job.headers(),
+                                       workloads.get(job.workload))
+            print(f"[{k}/{len(jobs)}] cache: {state['started_from']}", flush=True)
             out = locust.run(job, args.processes)
+            cache_states.append(cache.finish(state, job, adapters[job.endpoint.name],
+                                             job.headers()))
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
@@ -139,8 +147,8 @@ def run(args) -> int:
             run_dir, jobs, workloads=workloads, started_ns=started_ns,
             telemetry=notes["telemetry"], incomplete=notes["incomplete"],
             clock_offsets_ns=notes["clock_offsets_ns"], interrupted=why,
-            meta=None if jobs else {"run_id": run_id, "suite": cfg.suite.name,
-                                    "config": cfg.public_dump()})
+            meta={"cache_states": cache_states} if jobs else {
+                "run_id": run_id, "suite": cfg.suite.name, "config": cfg.public_dump()})
         finalize.mark_running(run_dir, False)
         _link_latest(results_dir, run_id)
         _summary(run_dir, meta)

@@ -8,7 +8,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 
 from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
-from kvbench.config.load import LoadProfile
+from kvbench.config.load import CacheMode, LoadProfile
 from kvbench.core import redact
 from kvbench.reports.spec import SLO, GateConfig
 from kvbench.workloads import registry
@@ -25,6 +25,7 @@ class SuiteConfig(Strict):
     # which [workloads.*] to run; None: all but mix parts
     workloads: list[Name] | None = Field(default=None, max_length=MAX_TABLES)
     profile: Name | None = None  # which [profiles.*] to run; None: all
+    cache: CacheMode = "as-is"  # the cache state each run starts from; a profile's wins
 
 
 class BenchConfig(Strict):

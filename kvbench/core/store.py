@@ -112,6 +112,9 @@ class RunMeta:
     workloads_sent: dict | None = None  # None: written before kvbench recorded it
     interrupted: bool = False  # a signal or a kill cut the run before its planned end
     interruption: str | None = None  # how, e.g. "SIGTERM to kvbench run"
+    # per job, the prefix-cache state it started from and the engine's counters around it
+    # (``kvbench.runs.cache``); empty: written before kvbench recorded it
+    cache_states: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
@@ -264,6 +267,7 @@ def _run_json_models():
         counts: Optional[dict[str, Any]] = None
         workloads: Optional[dict[str, Any]] = None
         workloads_sent: Optional[dict[str, dict[str, Described]]] = None
+        cache_states: Optional[list[dict[str, Any]]] = None
 
     return Run
 
