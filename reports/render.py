@@ -191,6 +191,13 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                            for ep in eps if not math.isnan(costs[ep])),
                           key=lambda r: r["value"]),
     }
+    from kvbench.reports.cache_verify import cache_rows
+
+    cache = [{**r, "records_text": fmt(r["records_ratio"], "fraction"),
+              "engine_text": fmt(r["engine_ratio"], "fraction"),
+              "theory_text": fmt(r["theoretical_ratio"], "fraction"),
+              "stage_text": "all" if r["stage"] is None else str(r["stage"] + 1)}
+             for r in cache_rows(d.runs, f)]
     from kvbench.reports.plots import all_figures
 
     figures = all_figures(d, stage_table, itl_cache) if figures else []
@@ -217,6 +224,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "cancelled": cancelled,
         "outcomes": outcomes,
         "engine_comparison": engine_rows,
+        "cache": cache,
         "bake": bake,
         "findings": findings,
         "figures": figures,

@@ -116,9 +116,10 @@ def run(args) -> int:
             job, state = cache.prepare(job, adapters[job.endpoint.name], job.headers(),
                                        workloads.get(job.workload))
             print(f"[{k}/{len(jobs)}] cache: {state['started_from']}", flush=True)
+            cache_states.append(state)  # kept when a stop cuts the job
             out = locust.run(job, args.processes)
-            cache_states.append(cache.finish(state, job, adapters[job.endpoint.name],
-                                             job.headers()))
+            cache.finish(state, job, adapters[job.endpoint.name], job.headers(),
+                         workloads.get(job.workload))
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:

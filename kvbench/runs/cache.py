@@ -167,6 +167,7 @@ def prepare(job, adapter: engines.EngineAdapter, headers: dict, workload=None):
             tok = getattr(workload, "tokenizer", None) or get_tokenizer(job.tokenizer)
             prefixes = shared_prefixes(workload, tok)
             sent, tokens, failed = prime(ep.url, ep.model, prefixes, headers)
+            entry["_primed"] = prefixes[:sent]
             entry["primed_prefixes"], entry["primed_tokens"] = sent, tokens
             if failed:
                 entry["notes"].append(failed)
@@ -193,7 +194,7 @@ def _fresh(job, entry: dict, why: str, workload):
     except Exception as exc:  # noqa: BLE001 - a job we cannot rebuild runs as configured
         fresh, after = False, exc
     if fresh:
-        entry["seed"] = seed
+        entry["seed"], entry["fresh_seed"] = seed, True
         entry["started_from"] = (f"fresh prefixes: not reset ({why}); the workload ran on "
                                  f"seed {seed} instead of {job.seed}, so no earlier run sent "
                                  "its prompts")
@@ -205,10 +206,83 @@ def _fresh(job, entry: dict, why: str, workload):
     return job, entry
 
 
-def finish(entry: dict, job, adapter: engines.EngineAdapter, headers: dict) -> dict:
-    """The entry with the engine's counters read after the job."""
+def finish(entry: dict, job, adapter: engines.EngineAdapter, headers: dict,
+           workload=None) -> dict:
+    """The entry completed after the job: the engine's counters read now and the theoretical
+    hit ratio of exactly the requests the job sent (after what priming sent), at the engine's
+    block size where it publishes one (its family's default otherwise). ``workload``: the
+    configured generator (rebuilt here when the job ran on a fresh seed)."""
     ep = job.endpoint
-    entry["counters_after"] = read_counters(ep.metrics_url or ep.url + "/metrics", adapter,
-                                            headers)
+    primed = entry.pop("_primed", [])
+    entry["counters_after"] = after = read_counters(ep.metrics_url or ep.url + "/metrics",
+                                                    adapter, headers)
     entry["t_end_ns"] = time.time_ns()
+    geom = after or entry.get("counters_before") or {}
+    block = int(geom.get("block_tokens") or adapter.default_block_tokens)
+    capacity = geom.get("capacity_tokens") or (ep.options or {}).get("kv_capacity_tokens")
+    try:
+        if workload is None or entry.get("fresh_seed"):
+            workload = job.build_workload()
+        ids = sent_ids(job, entry)
+        entry["theoretical"] = theoretical(workload, ids, primed, block, capacity)
+    except Exception as exc:  # noqa: BLE001 - the run's records matter more
+        entry["notes"].append(f"theoretical hit ratio not computed ({exc})"[:200])
     return entry
+
+
+def sent_ids(job, entry: dict) -> list[str]:
+    """The request ids the job sent, in send order (its records within its time window)."""
+    import pyarrow.compute as pc
+
+    from kvbench.core import store
+
+    t = store.read_table(job.run_dir, "requests", columns=[
+        "endpoint", "workload", "request_id", "t_sent", "status", "ttft_ns"])
+    if t.num_rows == 0:
+        return []
+    mask = pc.and_(pc.and_(pc.equal(t["endpoint"], job.endpoint.name),
+                           pc.equal(t["workload"], job.workload)),
+                   pc.and_(pc.greater_equal(t["t_sent"], entry["t_start_ns"]),
+                           pc.less_equal(t["t_sent"], entry["t_end_ns"])))
+    # only what the server prefilled: finished, or a first token seen
+    mask = pc.and_(mask, pc.or_(pc.equal(t["status"], "ok"), pc.is_valid(t["ttft_ns"])))
+    rows = t.filter(mask).sort_by("t_sent")
+    return [str(x) for x in rows["request_id"].to_pylist()]
+
+
+def theoretical(workload, ids: list[str], primed: list[str], block_tokens: int,
+                capacity_tokens: int | None) -> dict:
+    """Hit ratio an ideal prefix cache reaches on ``ids`` (request ids, ``#pass`` suffixes
+    allowed) in order, after ``primed`` completion prompts: unbounded, and LRU over
+    ``capacity_tokens`` where known."""
+    from kvbench.workloads.describe import PrefixCacheSim, base_request_id, block_keys
+    from kvbench.workloads.tokenizer import BuiltinTokenizer, get_tokenizer
+
+    tok = getattr(workload, "tokenizer", None) or get_tokenizer()
+    split = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode
+    split_prompt = tok.tokens if isinstance(tok, BuiltinTokenizer) else tok.encode_prompt
+    wanted = {base_request_id(i) for i in ids}
+    keys_of: dict[str, tuple[int, list]] = {}
+    for r in workload.requests():
+        if r.request_id in wanted and r.request_id not in keys_of:
+            toks = split(tok.render_chat(r.messages)) if r.messages is not None \
+                else split_prompt(r.prompt)
+            keys_of[r.request_id] = (len(toks), block_keys(toks, block_tokens))
+    sim = PrefixCacheSim(None if not capacity_tokens else int(capacity_tokens) // block_tokens)
+    for text in primed:
+        sim.add(block_keys(split_prompt(text), block_tokens))
+    total = hits = hits_lru = missing = 0
+    for i in ids:
+        got = keys_of.get(base_request_id(i))
+        if got is None:
+            missing += 1
+            continue
+        h, hl = sim.add(got[1])
+        total += got[0]
+        hits += h * block_tokens
+        hits_lru += (hl or 0) * block_tokens
+    return {"requests": len(ids) - missing, "unmatched": missing, "prompt_tokens": total,
+            "hit_ratio_unbounded": hits / total if total else None,
+            "hit_ratio_lru": hits_lru / total if total and capacity_tokens else None,
+            "block_tokens": block_tokens, "capacity_tokens": capacity_tokens,
+            "after_priming": len(primed)}
