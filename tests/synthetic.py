@@ -159,6 +159,7 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
         "server_replica": pa.array(replica, pa.string()),
         "server_region": pa.array(region, pa.string()),
         "retry_after_s": pa.nulls(n, pa.float64()),
+        "server_request_id": pa.nulls(n, pa.string()),
     }
     return pa.table(cols, schema=REQUESTS)
 
