@@ -198,6 +198,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
               "theory_text": fmt(r["theoretical_ratio"], "fraction"),
               "stage_text": "all" if r["stage"] is None else str(r["stage"] + 1)}
              for r in cache_rows(d.runs, f)]
+    traces = _server_traces(d)
     from kvbench.reports.plots import all_figures
 
     figures = all_figures(d, stage_table, itl_cache) if figures else []
@@ -225,6 +226,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "outcomes": outcomes,
         "engine_comparison": engine_rows,
         "cache": cache,
+        "server_traces": traces,
         "bake": bake,
         "findings": findings,
         "figures": figures,
@@ -244,6 +246,32 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
     }
+
+
+def _server_traces(d: ReportData) -> list[dict]:
+    """TTFT split by the spans the servers exported over OTLP (runs that received any)."""
+    import pyarrow as pa
+
+    from kvbench.core.store import read_table
+    from kvbench.reports import server_traces as T
+
+    rows = []
+    for path, meta in zip(d.paths, d.runs):
+        spans = read_table(path, "spans")
+        if spans.num_rows == 0:
+            continue
+        req = read_table(path, "requests", columns=["request_id", "server_request_id",
+                                                    "endpoint", "status", "ttft_ns"])
+        if len(d.runs) > 1:  # the labels the rest of the report uses for repeated names
+            shown = set(d.endpoint_names)
+            req = req.set_column(2, "endpoint", pa.array(
+                [f"{e}@{meta.run_id}" if f"{e}@{meta.run_id}" in shown else e
+                 for e in req["endpoint"].to_pylist()], pa.string()))
+        for r in T.breakdown(T.join(req, spans)):
+            rows.append({**r, **{k + "_text": fmt(r[k]) for k in (
+                "client_ttft_ms", "queue_ms", "prefill_ms", "frontend_ms", "outside_ms",
+                "decode_ms")}})
+    return rows
 
 
 def _error_rows(f: pd.DataFrame, outcomes: dict[str, dict]) -> list[dict]:

@@ -12,12 +12,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from kvbench import engines
 from kvbench.config import BuiltinEndpoint, parse_config
 from kvbench.core.errors import UserError
-from kvbench.core.store import load_results
+from kvbench.core.schema import SPANS
+from kvbench.core.store import ShardWriter, load_results
 from kvbench.endpoints.kvcache import HBMCache
 from kvbench.reports.cache_verify import cache_rows, verify
 from kvbench.reports.data import load
@@ -149,6 +151,7 @@ CONFIG = """
 name = "c"
 results_dir = "{results}"
 workloads = ["rag"]
+otlp_listen = "127.0.0.1:0"
 
 [[endpoints]]
 name = "emu"
@@ -207,10 +210,22 @@ def test_run_reset_then_warm_then_as_is(tmp_path):
         assert r["records_cached"] == r["engine_hits"] and r["records_prompt"] == \
             r["engine_prompt"], r
         assert r["findings"] == [], r
-    html = subprocess.run([sys.executable, "-m", "kvbench", "report", str(tmp_path /
-                          "results" / "r"), "--format", "md"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120).stdout
-    assert "warm: empty, then 4 shared prefixes" in html
+    # the OTLP receiver ran (the emulator exports no spans); spans a server would have sent
+    # for two of the records then split their TTFT in the report
+    assert "OTLP/HTTP traces received at http://127.0.0.1:" in p.stdout
+    assert res.meta.telemetry["otlp"] == "no request spans received"
+    ids = t.request_id.tolist()[:2]
+    ttft = t.ttft_ns.tolist()[:2]
+    w = ShardWriter(tmp_path / "results" / "r", "spans", tag="test")
+    w.write(pa.RecordBatch.from_pylist([
+        {"trace_request_id": f"cmpl-{i}-0", "queue_ns": 1_000, "prefill_ns": int(x * 0.5),
+         "ttft_ns": int(x * 0.75)} for i, x in zip(ids, ttft)], schema=SPANS))
+    w.close()
+    md = subprocess.run([sys.executable, "-m", "kvbench", "report", str(tmp_path /
+                        "results" / "r"), "--format", "md"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120).stdout
+    assert "warm: empty, then 4 shared prefixes" in md
+    assert "TTFT split by the server's own traces" in md and "| emu | 2 |" in md
 
 
 def test_verify_diagnoses_disagreement():

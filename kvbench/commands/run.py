@@ -85,6 +85,7 @@ def run(args) -> int:
     notes: dict = {"telemetry": {}, "incomplete": [], "clock_offsets_ns": {}}
     jobs = []
     cache_states: list = []  # per job: the cache state it started from (run.json)
+    receiver = None
     interrupted: Interrupted | None = None
     previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
     try:
@@ -106,6 +107,17 @@ def run(args) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         finalize.mark_running(run_dir)  # recovery leaves the run alone while this lives
         collectors = telemetry.start(run_dir, cfg, jobs, notes)
+        if cfg.suite.otlp_listen:  # the engines' per-request spans, joined in the report
+            from kvbench.runs.otlp import OtlpReceiver
+
+            host, _, port = cfg.suite.otlp_listen.rpartition(":")
+            try:
+                receiver = OtlpReceiver(run_dir, host.strip("[]"), int(port)).start()
+            except OSError as exc:
+                raise UserError(f"{cfg_path}: field suite.otlp_listen: cannot listen on "
+                                f"{cfg.suite.otlp_listen} ({exc.strerror}); pick a free "
+                                "port") from None
+            print(f"kvbench run: OTLP/HTTP traces received at {receiver.url}", flush=True)
         total_s = sum(matrix.expected_s(j) for j in jobs)
         print(f"kvbench run: {len(jobs)} Locust run(s), about {total_s:.0f} s of load; records "
               f"in {run_dir}", flush=True)
@@ -138,6 +150,10 @@ def run(args) -> int:
         for sig in STOP_SIGNALS:  # the load is over: stop everything, write run.json whole
             signal.signal(sig, signal.SIG_IGN)
         telemetry.stop(collectors, notes)
+        if receiver is not None:
+            got = receiver.stop()
+            notes["telemetry"]["otlp"] = (f"{got['spans']} request spans" if got["spans"] else
+                                          "no request spans received")
         for proc in servers:
             builtin.stop(proc)
     try:

@@ -26,6 +26,9 @@ class SuiteConfig(Strict):
     workloads: list[Name] | None = Field(default=None, max_length=MAX_TABLES)
     profile: Name | None = None  # which [profiles.*] to run; None: all
     cache: CacheMode = "as-is"  # the cache state each run starts from; a profile's wins
+    # "HOST:PORT" of a local OTLP/HTTP trace receiver kvbench run opens for the engines' spans
+    # (vLLM --otlp-traces-endpoint http://HOST:PORT/v1/traces); None: no receiver
+    otlp_listen: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$")
 
 
 class BenchConfig(Strict):
