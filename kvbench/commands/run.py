@@ -151,6 +151,8 @@ def run(args) -> int:
             signal.signal(sig, signal.SIG_IGN)
         telemetry.stop(collectors, notes)
         if receiver is not None:
+            if interrupted is None:
+                receiver.drain()  # the engines' last batch of spans
             got = receiver.stop()
             notes["telemetry"]["otlp"] = (f"{got['spans']} request spans" if got["spans"] else
                                           "no request spans received")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import http.server
 import threading
+import time
 import zlib
 
 import pyarrow as pa
@@ -85,6 +86,7 @@ class OtlpReceiver:
         self.spans = 0
         self.exports = 0
         self.rejected: list[str] = []
+        self.last_export = 0.0  # time.monotonic() of the last export received
         self._lock = threading.Lock()
         self._writer: ShardWriter | None = None
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -135,6 +137,7 @@ class OtlpReceiver:
             return self._answer(h, 400, str(exc)[:200])
         with self._lock:
             self.exports += 1
+            self.last_export = time.monotonic()
             if rows:
                 self._writer.write(pa.RecordBatch.from_pylist(rows, schema=SPANS))
                 self.spans += len(rows)
@@ -152,6 +155,17 @@ class OtlpReceiver:
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         h.wfile.write(data)
+
+    def drain(self, quiet_s: float = 6.0, max_s: float = 15.0) -> None:
+        """Wait until no export came for ``quiet_s`` (exporters batch spans for a few seconds:
+        the OpenTelemetry SDK's BatchSpanProcessor every 5 s), at most ``max_s``."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < max_s:
+            with self._lock:
+                last = max(self.last_export, t0)
+            if time.monotonic() - last >= quiet_s:
+                return
+            time.sleep(0.2)
 
     def stop(self) -> dict:
         """Close the listener and the shard, fold it into ``spans.parquet``; returns
