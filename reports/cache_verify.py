@@ -150,3 +150,30 @@ def cache_rows(runs, frame: pd.DataFrame) -> list[dict]:
                 label = f"{name}@{meta.run_id}" if f"{name}@{meta.run_id}" in shown else name
                 out.append({"run_id": meta.run_id, **verify(entry, frame, label)})
     return out
+
+
+def as_findings(rows: list[dict]) -> list:
+    """The rows that disagree, as the report's diagnosis findings (one per job)."""
+    from kvbench.reports.diagnose import Finding
+
+    out = []
+    for r in rows:
+        if not r["findings"]:
+            continue
+        out.append(Finding(
+            rule="cache_verify", endpoint=r["endpoint"],
+            title=f"{r['endpoint']} x {r['workload']}: prefix-cache hit ratios disagree",
+            evidence=[("started from", r["started_from"] or "unknown"),
+                      ("records", _pct(r["records_ratio"])),
+                      ("engine counters", _pct(r["engine_ratio"])),
+                      ("theoretical (requests sent)", _pct(r["theoretical_ratio"]))],
+            cause="; ".join(r["findings"]),
+            fix="start runs from a known state (cache = \"reset\" or \"warm\" in bench.toml), "
+                "keep other clients off the endpoint during the run, and size the KV cache or "
+                "the routing so the working set stays resident",
+            numbers={k: r[k] for k in ("records_ratio", "engine_ratio", "theoretical_ratio")}))
+    return out
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1%}"

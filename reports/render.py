@@ -191,18 +191,19 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                            for ep in eps if not math.isnan(costs[ep])),
                           key=lambda r: r["value"]),
     }
-    from kvbench.reports.cache_verify import cache_rows
+    from kvbench.reports.cache_verify import as_findings, cache_rows
 
+    cache_verified = cache_rows(d.runs, f)
     cache = [{**r, "records_text": fmt(r["records_ratio"], "fraction"),
               "engine_text": fmt(r["engine_ratio"], "fraction"),
               "theory_text": fmt(r["theoretical_ratio"], "fraction"),
               "stage_text": "all" if r["stage"] is None else str(r["stage"] + 1)}
-             for r in cache_rows(d.runs, f)]
+             for r in cache_verified]
     traces = _server_traces(d)
     from kvbench.reports.plots import all_figures
 
     figures = all_figures(d, stage_table, itl_cache) if figures else []
-    findings = diagnose(d)
+    findings = diagnose(d) + as_findings(cache_verified)
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -21,7 +21,7 @@ from kvbench.core.errors import UserError
 from kvbench.core.schema import SPANS
 from kvbench.core.store import ShardWriter, load_results
 from kvbench.endpoints.kvcache import HBMCache
-from kvbench.reports.cache_verify import cache_rows, verify
+from kvbench.reports.cache_verify import as_findings, cache_rows, verify
 from kvbench.reports.data import load
 from kvbench.runs import builtin, cache
 from kvbench.runs.job import Job, JobEndpoint
@@ -242,6 +242,9 @@ def test_verify_diagnoses_disagreement():
     r = verify(entry, frame)
     assert r["records_ratio"] == r["engine_ratio"] == 0.8 and r["findings"][0].startswith(
         "measured hit ratio 80.0% is 30.0% above the theoretical 50.0%")
+    (finding,) = as_findings([r, {**r, "findings": []}])  # one per disagreeing job
+    assert finding.rule == "cache_verify" and "30.0% above" in finding.cause
+    assert ("theoretical (requests sent)", "50.0%") in finding.evidence
     entry["counters_after"]["hits"] = 4500
     r = verify(entry, frame)
     assert any("another client" in x for x in r["findings"])

@@ -13,7 +13,10 @@ import pytest
 from kvbench.core.schema import REQUESTS
 from kvbench.core.store import read_table
 from kvbench.reports import server_traces as T
-from kvbench.runs.otlp import OtlpReceiver
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.runs.otlp import OtlpReceiver, rows_of
 
 sdk = pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk (test extra)")
 otlp_http = pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter",
@@ -108,6 +111,24 @@ def test_rejects_what_is_not_otlp_protobuf(tmp_path):
     finally:
         seen = rec.stop()
     assert seen["spans"] == 0 and len(seen["rejected"]) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=512))
+def test_decoder_refuses_garbage_with_one_error_type(body):
+    try:
+        rows = rows_of(body)
+    except ValueError:
+        return
+    assert all(isinstance(r["trace_request_id"], str) for r in rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_id_candidates_are_the_id_then_shorter_prefixes(span_id):
+    got = list(T.candidates(span_id))
+    assert got[0] == span_id
+    assert all(len(b) < len(a) for a, b in zip(got, got[1:]))
 
 
 def test_id_candidates():

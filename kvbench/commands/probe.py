@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from kvbench.core.errors import UserError
+from kvbench.core.redact import redact_url
 
 
 def add_parser(p) -> None:
@@ -94,7 +95,7 @@ def run(args) -> int:
                                                           adapter.default_block_tokens),
                            args.probe_tokens, args.background_tokens, args.rate_tokens_s,
                            args.trials)
-        print(f"kvbench probe retention: {url}, capacity {int(capacity):,} tokens, "
+        print(f"kvbench probe retention: {redact_url(url)}, capacity {int(capacity):,} tokens, "
               f"{len(sets)} working set(s) x {len(gaps)} gaps x {args.trials} trial(s), about "
               f"{len(sets) * sum(gaps) * args.trials:.0f} s", flush=True)
 
@@ -105,7 +106,8 @@ def run(args) -> int:
                   "tokens", flush=True)
 
         result = R.probe(url, model, spec, headers=headers, tokenizer=tokenizer,
-                         adapter=adapter, endpoint=getattr(ep, "name", None) or url,
+                         adapter=adapter,
+                         endpoint=getattr(ep, "name", None) or redact_url(url),
                          progress=progress).to_dict()
     finally:
         if proc is not None:

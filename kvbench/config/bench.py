@@ -28,7 +28,16 @@ class SuiteConfig(Strict):
     cache: CacheMode = "as-is"  # the cache state each run starts from; a profile's wins
     # "HOST:PORT" of a local OTLP/HTTP trace receiver kvbench run opens for the engines' spans
     # (vLLM --otlp-traces-endpoint http://HOST:PORT/v1/traces); None: no receiver
-    otlp_listen: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$")
+    otlp_listen: str | None = None
+
+    @field_validator("otlp_listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        host, _, port = (v or "").rpartition(":")
+        if v is not None and not (host and port.isdigit() and int(port) < 65536):
+            raise ValueError(f"otlp_listen {v[:60]!r} is not HOST:PORT; write e.g. "
+                             "\"127.0.0.1:4318\"")
+        return v
 
 
 class BenchConfig(Strict):
