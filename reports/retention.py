@@ -88,9 +88,9 @@ def figures(result: dict) -> list:
                                  mode="lines+markers", name=name))
         ttft.add_trace(go.Scatter(x=g, y=[x["ttft_ms"] for x in r["gaps"]],
                                   mode="lines+markers", name=name))
-        if r["predicted_gap_s"]:
-            hit.add_vline(x=r["predicted_gap_s"], line_dash="dash",
-                          annotation_text=f"LRU knee {r['working_set']:g}x")
+        if r["predicted_gap_s"]:  # a trace, not a shape: shapes misplace labels on log axes
+            hit.add_trace(go.Scatter(x=[r["predicted_gap_s"]] * 2, y=[0, 1], mode="lines",
+                                     line_dash="dash", name=f"LRU knee {r['working_set']:g}x"))
         if r["knee_gap_s"]:
             hit.add_trace(go.Scatter(x=[r["knee_gap_s"]], y=[HIT], mode="markers",
                                      marker_symbol="x", marker_size=12,
