@@ -152,6 +152,17 @@ async def handle_tokenize(request: web.Request) -> web.Response:
                         content_type=JSON)
 
 
+async def handle_reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's dev-mode route: empty the prefix cache. Refused (409) while requests are in
+    flight, whose blocks cannot be dropped; kvbench resets between runs, when idle."""
+    dropped = request.app[CLUSTER_KEY].reset_prefix_cache()
+    if dropped is None:
+        return error_response(409, "requests are in flight; reset the prefix cache when the "
+                                   "endpoint is idle", "ConflictError")
+    return web.Response(body=orjson.dumps({"reset": True, "blocks_dropped": dropped}),
+                        content_type=JSON)
+
+
 async def handle_health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
@@ -200,5 +211,6 @@ def create_app(cfg: EmulatorConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/tokenize", handle_tokenize)
     app.router.add_get("/health", handle_health)
+    app.router.add_post("/reset_prefix_cache", handle_reset_prefix_cache)
     app.router.add_get("/metrics", handle_metrics)
     return app

@@ -78,6 +78,19 @@ class Cluster:
             return
         eng.add(seq)
 
+    def reset_prefix_cache(self) -> int | None:
+        """Empty every engine's prefix cache (HBM and lower tiers) when no request is in the
+        cluster; None (nothing dropped) while any is queued or running. Returns blocks dropped."""
+        if any(e.num_running or e.num_waiting for e in self.engines) or any(
+                e.cache.anon or len(e.cache.lru) != len(e.cache.ref) for e in self.engines):
+            return None
+        n = 0
+        for e in self.engines:
+            n += e.cache.reset() or 0
+            for tier in (e.dram, e.disk):
+                n += tier.clear() if tier is not None else 0
+        return n
+
     def _handoff(self, seq: Seq) -> None:
         """Prefill done: move the prompt's KV over the link, then queue on a decode GPU."""
         loop = asyncio.get_running_loop()

@@ -47,6 +47,12 @@ class Tier:
     def touch(self, h: int) -> None:
         self.blocks.move_to_end(h)
 
+    def clear(self) -> int:
+        """Forget every block (a prefix-cache reset); returns how many were held."""
+        n = len(self.blocks)
+        self.blocks.clear()
+        return n
+
 
 class HBMCache:
     """Blocks in HBM. Referenced blocks belong to running sequences; cached blocks with no
@@ -117,6 +123,16 @@ class HBMCache:
                 self.ref[h] = c + 1
             self.anon -= 1
         return new
+
+    def reset(self) -> int | None:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``: only when no sequence
+        holds a block (None otherwise, nothing dropped). Returns the blocks dropped."""
+        if self.anon or len(self.lru) != len(self.ref):
+            return None
+        n = len(self.lru)
+        self.lru.clear()
+        self.ref.clear()
+        return n
 
     def release(self, hashes: Sequence[int], anon: int) -> None:
         """Drop references; a sequence's tail blocks become the first to evict (as vLLM)."""

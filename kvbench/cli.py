@@ -20,6 +20,8 @@ COMMANDS = {
     "workloads": "describe or generate workloads and traces",
     "locustfile": "print the path of an installed locustfile (locust -f \"$(kvbench locustfile "
                   "longctx)\")",
+    "probe": "probe the endpoint's cache: retention (how long a prefix stays cached under "
+             "background load)",
     "plan": "print the cost model's comparisons (routers, offload, P/D crossover, Hogwild!)",
 }
 

@@ -194,12 +194,21 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                           key=lambda r: r["value"]),
     }
     capacity = build_capacity(d)
+    from kvbench.reports.cache_verify import as_findings, cache_rows
+
+    cache_verified = cache_rows(d.runs, f)
+    cache = [{**r, "records_text": fmt(r["records_ratio"], "fraction"),
+              "engine_text": fmt(r["engine_ratio"], "fraction"),
+              "theory_text": fmt(r["theoretical_ratio"], "fraction"),
+              "stage_text": "all" if r["stage"] is None else str(r["stage"] + 1)}
+             for r in cache_verified]
+    traces = _server_traces(d)
     from kvbench.reports.plots import all_figures
 
     points = P.stage_points(f, d.endpoints, d.stages)
     per_gpu = _per_gpu_block(points, stage_table)
     figures = all_figures(d, stage_table, itl_cache, points) if figures else []
-    findings = diagnose(d)
+    findings = diagnose(d) + as_findings(cache_verified)
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -223,6 +232,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "cancelled": cancelled,
         "outcomes": outcomes,
         "engine_comparison": engine_rows,
+        "cache": cache,
+        "server_traces": traces,
         "bake": bake,
         "per_gpu": per_gpu,
         "capacity": capacity,
@@ -326,6 +337,32 @@ def build_capacity(d: ReportData) -> dict | None:
                "why": s["search"].get("why") or ""}
               for s in d.stages if s.get("search")]
     return {"rows": rows, "by_gpu": by_gpu, "by_usd": by_usd, "probes": probes}
+
+
+def _server_traces(d: ReportData) -> list[dict]:
+    """TTFT split by the spans the servers exported over OTLP (runs that received any)."""
+    import pyarrow as pa
+
+    from kvbench.core.store import read_table
+    from kvbench.reports import server_traces as T
+
+    rows = []
+    for path, meta in zip(d.paths, d.runs):
+        spans = read_table(path, "spans")
+        if spans.num_rows == 0:
+            continue
+        req = read_table(path, "requests", columns=["request_id", "server_request_id",
+                                                    "endpoint", "status", "ttft_ns"])
+        if len(d.runs) > 1:  # the labels the rest of the report uses for repeated names
+            shown = set(d.endpoint_names)
+            req = req.set_column(2, "endpoint", pa.array(
+                [f"{e}@{meta.run_id}" if f"{e}@{meta.run_id}" in shown else e
+                 for e in req["endpoint"].to_pylist()], pa.string()))
+        for r in T.breakdown(T.join(req, spans)):
+            rows.append({**r, **{k + "_text": fmt(r[k]) for k in (
+                "client_ttft_ms", "queue_ms", "prefill_ms", "frontend_ms", "outside_ms",
+                "decode_ms")}})
+    return rows
 
 
 def _error_rows(f: pd.DataFrame, outcomes: dict[str, dict]) -> list[dict]:

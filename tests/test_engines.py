@@ -127,7 +127,7 @@ def test_cache_reset_calls():
     assert ids == [0, 1] and llama.slot_ids({"error": "slots disabled"}) == []
     assert [llama.reset_cache.path.format(slot=i) for i in ids] == \
         ["/slots/0?action=erase", "/slots/1?action=erase"]
-    assert engines.get("builtin").reset_cache is None
+    assert engines.get("builtin").reset_cache.path == "/reset_prefix_cache"  # the emulator's own
 
 
 def test_duplicate_registration_is_an_error():

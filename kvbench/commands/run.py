@@ -69,8 +69,9 @@ def run(args) -> int:
     from kvbench.config import load_config
     from kvbench.config.parse import classes_without_slo
     from kvbench.core import store
-    from kvbench.runs import (builtin, finalize, locust, matrix, preflight, progress, search,
-                              telemetry)
+    from kvbench import engines
+    from kvbench.runs import (builtin, cache, finalize, locust, matrix, preflight, progress,
+                              search, telemetry)
     from kvbench.workloads.registry import make_workload
 
     cfg_path = Path(args.config)
@@ -113,6 +114,8 @@ def run(args) -> int:
     collectors = None
     notes: dict = {"telemetry": {}, "incomplete": [], "clock_offsets_ns": {}}
     jobs = []
+    cache_states: list = []  # per job: the cache state it started from (run.json)
+    receiver = None
     interrupted: Interrupted | None = None
     previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
     try:
@@ -124,15 +127,27 @@ def run(args) -> int:
             else:
                 url = ep.url.rstrip("/")
             targets.append((ep, url))
-        checked = []
+        checked, adapters = [], {}
         for ep, url in targets:
             c = preflight.check(ep, url, workloads)
             checked.append((ep, url, c.model, c.max_context_tokens))
+            adapters[ep.name] = engines.get(c.engine)
         jobs = matrix.jobs(cfg, sel, checked, run_id=run_id, results_dir=results_dir,
                            duration_scale=args.duration_scale)
         run_dir.mkdir(parents=True, exist_ok=True)
         finalize.mark_running(run_dir)  # recovery leaves the run alone while this lives
         collectors = telemetry.start(run_dir, cfg, jobs, notes)
+        if cfg.suite.otlp_listen:  # the engines' per-request spans, joined in the report
+            from kvbench.runs.otlp import OtlpReceiver
+
+            host, _, port = cfg.suite.otlp_listen.rpartition(":")
+            try:
+                receiver = OtlpReceiver(run_dir, host.strip("[]"), int(port)).start()
+            except OSError as exc:
+                raise UserError(f"{cfg_path}: field suite.otlp_listen: cannot listen on "
+                                f"{cfg.suite.otlp_listen} ({exc.strerror}); pick a free "
+                                "port") from None
+            print(f"kvbench run: OTLP/HTTP traces received at {receiver.url}", flush=True)
         total_s = sum(matrix.expected_s(j) for j in jobs)
         print(f"kvbench run: {len(jobs)} Locust run(s), about {total_s:.0f} s of load; records "
               f"in {run_dir}", flush=True)
@@ -140,9 +155,15 @@ def run(args) -> int:
             label = job.label()
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
+            job, state = cache.prepare(job, adapters[job.endpoint.name], job.headers(),
+                                       workloads.get(job.workload))
+            print(f"[{k}/{len(jobs)}] cache: {state['started_from']}", flush=True)
+            cache_states.append(state)  # kept when a stop cuts the job
             with progress.Progress(job, run_dir):  # quiet unless stdout is a terminal
                 out = (search.run(job, args.processes) if job.pacing == "search" else
                        locust.run(job, args.processes, dist))
+            cache.finish(state, job, adapters[job.endpoint.name], job.headers(),
+                         workloads.get(job.workload))
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
@@ -161,6 +182,12 @@ def run(args) -> int:
         for sig in STOP_SIGNALS:  # the load is over: stop everything, write run.json whole
             signal.signal(sig, signal.SIG_IGN)
         telemetry.stop(collectors, notes)
+        if receiver is not None:
+            if interrupted is None:
+                receiver.drain()  # the engines' last batch of spans
+            got = receiver.stop()
+            notes["telemetry"]["otlp"] = (f"{got['spans']} request spans" if got["spans"] else
+                                          "no request spans received")
         for proc in servers:
             builtin.stop(proc)
     try:
@@ -171,8 +198,8 @@ def run(args) -> int:
             run_dir, jobs, workloads=workloads, started_ns=started_ns,
             telemetry=notes["telemetry"], incomplete=notes["incomplete"],
             clock_offsets_ns=notes["clock_offsets_ns"], interrupted=why,
-            meta=None if jobs else {"run_id": run_id, "suite": cfg.suite.name,
-                                    "config": cfg.public_dump()})
+            meta={"cache_states": cache_states} if jobs else {
+                "run_id": run_id, "suite": cfg.suite.name, "config": cfg.public_dump()})
         finalize.mark_running(run_dir, False)
         _link_latest(results_dir, run_id)
         _summary(run_dir, meta)

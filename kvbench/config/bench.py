@@ -8,7 +8,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 
 from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
-from kvbench.config.load import LoadProfile
+from kvbench.config.load import CacheMode, LoadProfile
 from kvbench.core import redact
 from kvbench.reports.spec import SLO, GateConfig
 from kvbench.workloads import registry
@@ -25,6 +25,19 @@ class SuiteConfig(Strict):
     # which [workloads.*] to run; None: all but mix parts
     workloads: list[Name] | None = Field(default=None, max_length=MAX_TABLES)
     profile: Name | None = None  # which [profiles.*] to run; None: all
+    cache: CacheMode = "as-is"  # the cache state each run starts from; a profile's wins
+    # "HOST:PORT" of a local OTLP/HTTP trace receiver kvbench run opens for the engines' spans
+    # (vLLM --otlp-traces-endpoint http://HOST:PORT/v1/traces); None: no receiver
+    otlp_listen: str | None = None
+
+    @field_validator("otlp_listen")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        host, _, port = (v or "").rpartition(":")
+        if v is not None and not (host and port.isdigit() and int(port) < 65536):
+            raise ValueError(f"otlp_listen {v[:60]!r} is not HOST:PORT; write e.g. "
+                             "\"127.0.0.1:4318\"")
+        return v
 
 
 class BenchConfig(Strict):

@@ -8,6 +8,11 @@ from pydantic import Field, model_validator
 
 from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, Strict
 
+# The prefix-cache state a run starts from (``runs.cache``): "reset" empties the engine's cache
+# through its own API (fresh prefixes where it has none), "warm" resets then sends each shared
+# prefix once, unrecorded, "as-is" touches nothing (whatever earlier traffic left).
+CacheMode = Literal["reset", "warm", "as-is"]
+
 
 class Stage(Strict):
     duration_s: float = Field(gt=0, le=MAX_SECONDS)  # a week: longer soaks are several runs
@@ -59,6 +64,7 @@ class LoadProfile(Strict):
     # in flight may finish before they are cancelled; cancelled ones are recorded as
     # ``cancelled`` and kept out of error rate and latency.
     drain_s: float = Field(default=30.0, ge=0, le=3600)
+    cache: CacheMode | None = None  # None: suite.cache
 
     @model_validator(mode="after")
     def _stages(self):

@@ -99,7 +99,23 @@ ENGINE = pa.schema([
     ("value", pa.float64()),
 ])
 
-TABLES = {"requests": REQUESTS, "gpu": GPU, "engine": ENGINE}
+# One row per request span a server exported over OTLP during the run (vLLM's ``llm_request``
+# spans: its own queue, prefill and decode times); joined to records by request id in reports.
+SPANS = pa.schema([
+    ("t_ns", pa.int64()),  # span start, epoch ns (the server's clock)
+    ("service", pa.string()),  # the exporting resource's service.name
+    ("span_name", pa.string()),
+    ("trace_request_id", pa.string()),  # gen_ai.request.id as the server wrote it
+    ("queue_ns", pa.int64()),
+    ("prefill_ns", pa.int64()),
+    ("decode_ns", pa.int64()),
+    ("ttft_ns", pa.int64()),  # the server's own time to first token
+    ("e2e_ns", pa.int64()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+])
+
+TABLES = {"requests": REQUESTS, "gpu": GPU, "engine": ENGINE, "spans": SPANS}
 
 
 def empty_table(name: str) -> pa.Table:

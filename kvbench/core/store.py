@@ -119,6 +119,9 @@ class RunMeta:
     worker_clock_offsets_ns: dict = field(default_factory=dict)  # distributed: per worker
     interrupted: bool = False  # a signal or a kill cut the run before its planned end
     interruption: str | None = None  # how, e.g. "SIGTERM to kvbench run"
+    # per job, the prefix-cache state it started from and the engine's counters around it
+    # (``kvbench.runs.cache``); empty: written before kvbench recorded it
+    cache_states: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
@@ -285,6 +288,7 @@ def _run_json_models():
         workloads_sent: Optional[dict[str, dict[str, Described]]] = None
         workers: Optional[dict[str, dict[str, Any]]] = None
         worker_clock_offsets_ns: Optional[dict[str, int]] = None
+        cache_states: Optional[list[dict[str, Any]]] = None
 
     return Run
 

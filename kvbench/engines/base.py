@@ -43,6 +43,9 @@ class EngineAdapter:
     # an info-style gauge whose labels give the KV geometry (vLLM's cache_config_info)
     cache_config: str | None = None
     cache_config_geometry: Callable[[Mapping[str, str]], tuple[int, int] | None] | None = None
+    # the granularity of prefix reuse where the engine publishes no KV geometry (vLLM's GPU
+    # default block; token-granular reuse is 1)
+    default_block_tokens: int = 16
     tokenize: HttpCall | None = None
     # the tokenize request for (model, prompt, messages); None where the engine cannot tokenize
     # that request (the caller falls back, e.g. to a one-token completion's usage)

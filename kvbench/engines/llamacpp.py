@@ -38,6 +38,7 @@ LLAMACPP = register(EngineAdapter(
     prefix_hits="llamacpp:prompt_tokens_cached_total",
     prefix_queries="llamacpp:prompt_tokens_total",
     queries_exclude_hits=True,
+    default_block_tokens=1,  # a slot reuses its cached prompt token by token (the test above)
     prompt_tokens=None,  # prompt_tokens_total counts computed tokens only (cache misses)
     generation_tokens="llamacpp:tokens_predicted_total",
     running="llamacpp:requests_processing",

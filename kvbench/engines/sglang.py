@@ -15,6 +15,7 @@ SGLANG = register(EngineAdapter(
     prefix_queries="sglang:prompt_tokens_total",
     prompt_tokens="sglang:prompt_tokens_total",
     generation_tokens="sglang:generation_tokens_total",
+    default_block_tokens=1,  # the radix cache's --page-size defaults to 1 token
     kv_usage="sglang:token_usage",  # fraction of the KV token pool in use
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",

