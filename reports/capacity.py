@@ -3,10 +3,15 @@ found, from the probes' requests. Pure pandas/numpy: ``kvbench.runs.search`` cal
 it searches, the report calls it on the finished run.
 
 A probe is judged per request class that has an SLO: its attainment (requests within every SLO
-of the class, over the class's requests of the probe) gets a bootstrap interval (binomial
-draws of the count, ``resampling.count_replicates``). The class *passes* when the interval's
-lower bound clears the target, *fails* when its upper bound misses it, and *straddles*
-otherwise (also when it has fewer than ``min_class_requests`` requests and has not failed).
+of the class, over the class's requests of the probe) gets a smoothed bootstrap interval
+(draws from the proportion's Jeffreys posterior, ``resampling.proportion_replicates``: the
+plain bootstrap of a class whose every request met its SLO is the point 1.0, however few they
+were). The class *passes* when the interval's lower bound clears the target, *fails* when its
+upper bound misses it, and *straddles* otherwise (also when it has fewer than
+``min_class_requests`` requests and has not failed). A class whose every request met its SLO
+but too few to show the target at the confidence asked *passes thinly*: nothing it sent says
+it misses, nothing says it meets the target either; the search moves on and the report marks
+the capacity it supports as thin, with the requests it would take (``needed_for``).
 The probe passes when every class passes, fails when any class fails, and straddles
 otherwise. A request cancelled in a probe (a cut at saturation, or still unanswered when the
 search moved on) counts as a miss: it was not served within its SLO.
@@ -14,6 +19,7 @@ search moved on) counts as a miss: it was not served within its SLO.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -37,6 +43,7 @@ class ClassVerdict:
     low: float
     high: float
     verdict: str  # pass | fail | straddle
+    thin: bool = False  # passed with every request within SLO, too few to show the target
     missed: str | None = None  # the SLO missed most often: TTFT, TPOT, E2E or "errors"
     misses: dict = field(default_factory=dict)  # SLO kind -> requests that missed it
 
@@ -88,15 +95,39 @@ def class_verdict(flags: np.ndarray, cls: str, *, target: float = TARGET,
     rng = rng if rng is not None else np.random.default_rng(0)
     met = int(flags.sum())
     est = met / n
-    reps = resampling.count_replicates(flags, RESAMPLES, rng) / n
-    ci = resampling.interval(est, reps, confidence)
+    ci = resampling.proportion_interval(met, n, RESAMPLES, rng, confidence)
+    thin = False
     if ci.high < target:
         verdict = "fail"
-    elif ci.low >= target and n >= min_requests:
-        verdict = "pass"
+    elif n >= min_requests and (ci.low >= target or met == n):
+        verdict, thin = "pass", ci.low < target
     else:
         verdict = "straddle"
-    return ClassVerdict(cls, n, met, est, ci.low, ci.high, verdict)
+    return ClassVerdict(cls, n, met, est, ci.low, ci.high, verdict, thin)
+
+
+@functools.lru_cache(maxsize=64)
+def needed_for(target: float = TARGET, confidence: float = CONFIDENCE) -> int:
+    """The fewest requests, all within SLO, whose interval's lower bound clears ``target``
+    (48 at 95% / 95%): fewer pass only thinly."""
+    rng = np.random.default_rng(0)
+    a = (1 - confidence) / 2
+    n = 1
+    while n < 100_000:
+        if np.quantile(rng.beta(n + 0.5, 0.5, size=RESAMPLES), a) >= target:
+            return n
+        n = n + 1 if n < 200 else int(n * 1.05)
+    return n
+
+
+def thin_text(classes, target: float = TARGET, confidence: float = CONFIDENCE) -> str:
+    """"agent 5/5, rag 9/9 (48 needed each to show 95%)" for the thinly passing classes."""
+    thin = [c for c in classes if c.thin]
+    if not thin:
+        return ""
+    return (", ".join(f"{c.request_class} {c.met}/{c.requests}" for c in thin)
+            + f" ({needed_for(target, confidence)} needed each to show {target:.0%} at "
+              f"{confidence:.0%} confidence)")
 
 
 def probe_verdict(frame: pd.DataFrame, slo: dict, *, target: float = TARGET,
@@ -122,7 +153,7 @@ def probe_verdict(frame: pd.DataFrame, slo: dict, *, target: float = TARGET,
         classes.append(cv)
     if not classes:
         return ProbeVerdict("empty", [])
-    classes.sort(key=lambda c: (c.attainment, c.request_class))
+    classes.sort(key=lambda c: (c.attainment, c.low, c.request_class))  # ties: the thinnest
     verdicts = {c.verdict for c in classes}
     v = "fail" if "fail" in verdicts else "pass" if verdicts == {"pass"} else "straddle"
     return ProbeVerdict(v, classes)
@@ -238,6 +269,8 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
             at = {"worst_class": w.request_class if w else None,
                   "attainment": w.attainment if w else math.nan,
                   "low": w.low if w else math.nan, "high": w.high if w else math.nan,
+                  "thin": thin_text(v.classes, kw.get("target", TARGET),
+                                    kw.get("confidence", CONFIDENCE)),
                   "output_tps": out_tok / wall if wall > 0 else math.nan,
                   "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum())))}
         out.append(Capacity(ep, wl, cap, fail, status, len(probes),

@@ -316,6 +316,7 @@ def build_capacity(d: ReportData) -> dict | None:
             "attainment": (f"{fmt(at.get('attainment'), 'fraction')} "
                            f"[{fmt(at.get('low'), 'fraction')}, "
                            f"{fmt(at.get('high'), 'fraction')}] ({at.get('worst_class')})"
+                           + (f"; thin: {at['thin']}" if at.get("thin") else "")
                            if at else "–"),
             "breaks": (f"{br['class']}: {br['missed'] or '?'} "
                        f"({fmt(br['attainment'], 'fraction')} within SLO at "

@@ -136,6 +136,23 @@ def count_replicates(flags: np.ndarray, resamples: int,
     return rng.binomial(n, int(flags.sum()) / n, size=resamples).astype(np.float64)
 
 
+def proportion_replicates(met: int, n: int, resamples: int,
+                          rng: np.random.Generator) -> np.ndarray:
+    """Replicates of a proportion ``met / n`` drawn from its Jeffreys posterior
+    Beta(met + 1/2, n - met + 1/2): the smoothed (Bayesian) bootstrap of a binary outcome. The
+    plain bootstrap of an all-success sample is the point 1.0 whatever n is (5/5 would "show"
+    100%); this one widens as n shrinks (5/5: about [0.6, 1.0] at 95%)."""
+    return rng.beta(met + 0.5, n - met + 0.5, size=resamples)
+
+
+def proportion_interval(met: int, n: int, resamples: int, rng: np.random.Generator,
+                        confidence: float = 0.95) -> CI:
+    """Interval of ``met / n`` from ``proportion_replicates``, with the Jeffreys interval's
+    usual edges: it reaches 0 when nothing met, 1 when everything did."""
+    ci = interval(met / n, proportion_replicates(met, n, resamples, rng), confidence)
+    return CI(ci.estimate, 0.0 if met == 0 else ci.low, 1.0 if met == n else ci.high)
+
+
 def poisson_count_noise(reps: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
     """Replicates of a rate over a fixed window with its number of arrivals redrawn as
     Poisson(n): the count of a Poisson process in a fixed window is itself random."""

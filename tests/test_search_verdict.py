@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvbench.config import load_config
 from kvbench.reports import capacity as C
-from kvbench.reports.resampling import count_replicates, interval
+from kvbench.reports.resampling import proportion_interval
 from kvbench.runs.search import Planner, Probe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,15 +46,31 @@ def test_class_verdict_follows_its_bootstrap_interval(n, frac, target, seed):
     flags = np.zeros(n, bool)
     flags[:met] = True
     v = C.class_verdict(flags, "c", target=target, rng=np.random.default_rng(seed))
-    ci = interval(met / n, count_replicates(flags, C.RESAMPLES, np.random.default_rng(seed)) / n)
+    ci = proportion_interval(met, n, C.RESAMPLES, np.random.default_rng(seed))
     assert (v.low, v.high) == (ci.low, ci.high)
     assert v.low <= v.attainment <= v.high
-    if ci.low >= target:
-        assert v.verdict == "pass"
-    elif ci.high < target:
+    if ci.high < target:
         assert v.verdict == "fail"
+    elif ci.low >= target:
+        assert v.verdict == "pass" and not v.thin
+    elif met == n:  # every request within SLO, too few to show the target: a thin pass
+        assert v.verdict == "pass" and v.thin
     else:
         assert v.verdict == "straddle"
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 200), target=st.sampled_from([0.8, 0.9, 0.95, 0.99]))
+def test_a_few_successes_are_never_shown_as_certain(n, target):
+    """An all-success class's interval widens as it shrinks (the plain bootstrap gives the point
+    1.0 for 5/5): it clears the target exactly from ``needed_for`` requests on, and below that
+    it passes only thinly, marked so."""
+    v = C.class_verdict(np.ones(n, bool), "c", target=target)
+    need = C.needed_for(target)
+    assert v.verdict == "pass" and v.high == 1.0
+    assert v.thin == (n < need) or abs(n - need) <= 2  # the edge is drawn, not exact
+    if n <= 5:
+        assert v.low < 0.8
 
 
 @settings(max_examples=60, deadline=None)

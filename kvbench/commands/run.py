@@ -266,7 +266,8 @@ def _summary(run_dir: Path, meta) -> None:
     if res.requests.num_rows == 0:
         print(f"kvbench run: no requests recorded; results in {run_dir}")
         return
-    frame = M.request_frame(res.requests, stages=res.meta.stages or ())
+    slo = (res.meta.config or {}).get("slo") or {}
+    frame = M.request_frame(res.requests, stages=res.meta.stages or (), slo=slo)
     print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'cancelled':>9} "
           f"{'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
     total_cancelled = 0
@@ -311,5 +312,7 @@ def _capacity(frame, meta) -> None:
         per = capacity.per_gpu_and_cost(c, ep.get("gpus"), ep.get("gpu_hour_cost"))
         pg = (f", {per['capacity_per_gpu']:.2f} req/s per GPU"
               if per["capacity_per_gpu"] is not None else "")
+        thin = (c.at_capacity or {}).get("thin")
         print(f"kvbench run: CAPACITY at SLO: {c.endpoint} x {c.workload}: {cap}{fail}{pg} "
-              f"({c.probes} probes, {c.load_s:.0f} s of load, {c.status}){why}")
+              f"({c.probes} probes, {c.load_s:.0f} s of load, {c.status}){why}"
+              + (f"; thin evidence there: {thin}" if thin else ""))

@@ -257,6 +257,9 @@ class Watch:
                     if f is not None]
         self.cut = False
 
+    def _why(self, v) -> str:
+        return _why(v, self.spec["target"], self.spec["confidence"])
+
     def running(self, now: float) -> bool:
         return now < self.end and not self.cut
 
@@ -282,25 +285,29 @@ class Watch:
                    or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
             if sat or decided == "fail":
                 self.cut = True
-                why = f"saturated: {sat}" if sat else _why(v)
+                why = f"saturated: {sat}" if sat else self._why(v)
                 return "fail", f"cut after {now - self.t_start:.1f} s: {why}"
             return None, ""
         if decided is not None:
-            return decided, _why(v) + (f" ({n_pend} still running: the verdict holds "
-                                       "whatever their outcome)" if n_pend else "")
+            return decided, self._why(v) + (f" ({n_pend} still running: the verdict holds "
+                                            "whatever their outcome)" if n_pend else "")
         if now > self.settle_end:  # stragglers still running: they missed their chance
-            return v.verdict, (_why(v) + f" ({n_pend} still running {self.spec['settle_s']:g} s "
-                               "after the probe: counted as misses)")
+            return v.verdict, (self._why(v) + f" ({n_pend} still running "
+                               f"{self.spec['settle_s']:g} s after the probe: counted as "
+                               "misses)")
         return None, ""
 
 
-def _why(v) -> str:
+def _why(v, target: float = 0.95, confidence: float = 0.95) -> str:
     w = v.worst
     if w is None:
         return "no request with an SLO"
+    from kvbench.reports.capacity import thin_text
+
     miss = f", mostly {w.missed}" if w.missed and w.attainment < 1 else ""
+    thin = thin_text(v.classes, target, confidence)
     return (f"worst class {w.request_class}: {w.met}/{w.requests} within SLO "
-            f"[{w.low:.2f}, {w.high:.2f}]{miss}")
+            f"[{w.low:.2f}, {w.high:.2f}]{miss}" + (f"; thin: {thin}" if thin else ""))
 
 
 def _say(line: str) -> None:
