@@ -290,7 +290,7 @@ class Inbox:
             w.close()
         self._write_sidecar(st)
 
-    def close(self, now: float | None = None, silent_s: float = SILENT_LOST_S) -> None:
+    def close(self, now: float | None = None) -> None:
         """The end: every worker not closed is lost (silent since its last message)."""
         now = time.monotonic() if now is None else now
         for st in self.open_workers():
