@@ -88,11 +88,6 @@ def run(args) -> int:
         print(f"kvbench: warning: no SLO for request class(es) {', '.join(no_slo)} in "
               f"{cfg_path}: reports show their goodput and SLO attainment as \"no SLO\"; add "
               f"[slo.<class>] tables (ttft_ms, tpot_ms, e2e_ms) to judge them", flush=True)
-    searching = [n for n in sel.profiles if cfg.profiles[n].pacing == "search"]
-    if dist is not None and searching:
-        raise UserError(f"{cfg_path}: profile {searching[0]} is a capacity search, which runs "
-                        "its probes from this host alone; drop --workers/--expect-workers or "
-                        "pick a fixed-rate profile with --profile")
     if dist is not None and not dist.local:
         local_only = [ep.name for ep in sel.endpoints if ep.kind == "builtin"]
         if local_only:
@@ -100,6 +95,11 @@ def run(args) -> int:
                             "served on this host's loopback where workers elsewhere cannot "
                             "reach them; run them with --workers N, or point [[endpoints]] at "
                             "a server the workers reach (kvbench serve --host 0.0.0.0)")
+    searching = [n for n in sel.profiles if cfg.profiles[n].pacing == "search"]
+    if dist is not None and searching:
+        raise UserError(f"{cfg_path}: profile {searching[0]} is a capacity search, which runs "
+                        "its probes from this host alone; drop --workers/--expect-workers or "
+                        "pick a fixed-rate profile with --profile")
     results_dir = Path(args.results_dir or cfg.suite.results_dir)
     run_id = args.run_id or store.new_run_id(cfg.suite.name)
     run_dir = results_dir / run_id
