@@ -156,9 +156,23 @@ def install_llamacpp() -> None:
         src = next(LLAMA_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         part = gguf.with_suffix(".gguf.part")  # renamed once whole: a cut run leaves no model
-        _run([VLLM_DIR / "venv" / "bin" / "python", src / "convert_hf_to_gguf.py", MODEL_DIR,
+        _run([VLLM_DIR / "venv" / "bin" / "python", "-c", CONVERT, src, MODEL_DIR,
               "--outfile", part, "--outtype", "f32"], env=env)
         part.rename(gguf)
+
+
+# convert_hf_to_gguf.py names a BPE pre-tokenizer by the hash of a known model's encoding of a
+# test string; the tokenizer trained here (GPT-2's byte-level pre-tokenizer, our own merges)
+# has no known hash ("BPE pre-tokenizer was not recognized"), so it is named gpt-2 outright
+CONVERT = r'''
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path.insert(0, src)
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
 
 
 def _build_tools() -> None:
