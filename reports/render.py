@@ -200,7 +200,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     cache = [{**r, "records_text": fmt(r["records_ratio"], "fraction"),
               "engine_text": fmt(r["engine_ratio"], "fraction"),
               "theory_text": fmt(r["theoretical_ratio"], "fraction"),
-              "stage_text": f"{r['profile'] or '–'} ({'all' if r['stage'] is None else r['stage'] + 1})",
+              "stage_text": "{} ({})".format(r["profile"] or "–",
+                                             "all" if r["stage"] is None else r["stage"] + 1),
               "tokens_text": _token_check(r)}
              for r in cache_verified]
     traces = _server_traces(d)
