@@ -59,6 +59,9 @@ def verify(entry: dict, frame: pd.DataFrame, label: str | None = None) -> dict:
     rec_prompt = float(prompt[reported].sum()) if n else math.nan
     rec_cached = float(cached[reported].sum()) if n else math.nan
     rec_ratio = rec_cached / rec_prompt if n and rec_prompt else math.nan
+    completion = done["completion_tokens"].to_numpy(np.float64) \
+        if "completion_tokens" in done else np.array([])
+    rec_completion = float(np.nansum(completion)) if np.isfinite(completion).any() else math.nan
     try:
         adapter = engines.get(entry.get("engine") or "vllm")
     except KeyError:
@@ -86,7 +89,9 @@ def verify(entry: dict, frame: pd.DataFrame, label: str | None = None) -> dict:
            "engine_ratio": eng_ratio, "theoretical_ratio": theo_ratio,
            "block_tokens": theo.get("block_tokens"), "capacity_tokens": theo.get("capacity_tokens"),
            "records_cached": rec_cached, "engine_hits": hits, "records_prompt": rec_prompt,
-           "engine_prompt": eng_prompt, "notes": list(entry.get("notes") or [])}
+           "engine_prompt": eng_prompt, "records_completion": rec_completion,
+           "engine_generation": _delta(entry, "generation"),
+           "notes": list(entry.get("notes") or [])}
     row["findings"] = _findings(row, entry, n_reported=n)
     return row
 
@@ -114,6 +119,20 @@ def _findings(row: dict, entry: dict, n_reported: int) -> list[str]:
                    "counters restarted)")
             out.append(f"records' cached tokens {cached:,.0f} vs the engine's hit counter "
                        f"{hits:,.0f} ({diff:+,.0f}): {why}")
+    for what, rec_key, eng_key, counter in (
+            ("prompt", "records_prompt", "engine_prompt", "prompt-token counter"),
+            ("completion", "records_completion", "engine_generation",
+             "generated-token counter")):
+        r, e = row[rec_key], row[eng_key]
+        if e is None or r is None or math.isnan(r) or max(r, e) <= 0:
+            continue
+        if abs(r - e) > TOKENS_REL * max(r, e):
+            why = ("requests cancelled at the stop were counted by the server, not in the "
+                   "records" if row["cancelled"] and r < e else
+                   "another client used the endpoint during the job" if r < e else
+                   "the engine counts tokens differently from the usage it reports")
+            out.append(f"records' {what} tokens {r:,.0f} vs the engine's {counter} {e:,.0f} "
+                       f"({r - e:+,.0f}): {why}")
     if not math.isnan(theo) and not math.isnan(measured := (rec if not math.isnan(rec) else eng)):
         gap = measured - theo
         if abs(gap) > _noise(theo, n):

@@ -146,14 +146,17 @@ def _token_counters(a: EngineAdapter) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def comparison(engine: pa.Table, frame: pd.DataFrame) -> list[dict]:
+def comparison(engine: pa.Table, frame: pd.DataFrame,
+               primed: dict[str, tuple[int, int]] | None = None) -> list[dict]:
     """Per endpoint and token count, the records' sum over the requests that finished
     (server-reported usage) beside the increase of the engine's own counters over the run,
     and why they may differ.
 
     A request cancelled at the stop never received its usage, so the records lack its tokens
     while the server counted its prompt (and cached) tokens: each endpoint's row says how many
-    there were. Rows: {endpoint, quantity, records, engine, diff, cancelled, note}."""
+    there were. ``primed``: per endpoint, (requests, prompt tokens) the cache protocol sent to
+    prime warm jobs (run.json ``cache_states``): the engine counted them, the records do not.
+    Rows: {endpoint, quantity, records, engine, diff, cancelled, note}."""
     by_ep = adapters(engine)
     if not by_ep:
         return []
@@ -186,6 +189,18 @@ def comparison(engine: pa.Table, frame: pd.DataFrame) -> list[dict]:
                 note = (f"{cancelled:,} request{'s' * (cancelled != 1)} cancelled at the "
                         "stop: tokens the server generated for them before the cut are not "
                         "in the records")
+            n_primed, primed_tokens = (primed or {}).get(ep, (0, 0))
+            if n_primed and quantity != "cached_tokens":
+                what = (f"{primed_tokens:,} prompt tokens" if quantity == "prompt_tokens" else
+                        f"up to {n_primed:,} generated tokens")
+                note = "; ".join(x for x in (note, (
+                    f"the engine also counted the {n_primed:,} priming request"
+                    f"{'s' * (n_primed != 1)} ({what}) sent before warm jobs, which are not "
+                    "records: the prefix-cache table checks each job without them")) if x)
+            elif n_primed:
+                note = "; ".join(x for x in (note, (
+                    f"the engine's count includes whatever the {n_primed:,} priming request"
+                    f"{'s' * (n_primed != 1)} found cached")) if x)
             rows.append({"endpoint": ep, "quantity": quantity.replace("_", " "),
                          "engine_family": a.title, "records": mine, "engine": theirs,
                          "diff": (mine / theirs - 1) if theirs else float("nan"),

@@ -176,7 +176,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     engine_rows = [{**r, "records_text": fmt(r["records"], "count"),
                     "engine_text": fmt(r["engine"], "count"),
                     "diff_text": "–" if math.isnan(r["diff"]) else f"{100 * r['diff']:+.1f}%"}
-                   for r in E.comparison(d.engine, f)]
+                   for r in E.comparison(d.engine, f, _primed(d))]
 
     bake = {
         "by_goodput": sorted(({"endpoint": ep, "value": values[ep]["goodput_rps"],
@@ -200,7 +200,9 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     cache = [{**r, "records_text": fmt(r["records_ratio"], "fraction"),
               "engine_text": fmt(r["engine_ratio"], "fraction"),
               "theory_text": fmt(r["theoretical_ratio"], "fraction"),
-              "stage_text": "all" if r["stage"] is None else str(r["stage"] + 1)}
+              "stage_text": "{} ({})".format(r["profile"] or "–",
+                                             "all" if r["stage"] is None else r["stage"] + 1),
+              "tokens_text": _token_check(r)}
              for r in cache_verified]
     traces = _server_traces(d)
     from kvbench.reports.plots import all_figures
@@ -340,6 +342,34 @@ def build_capacity(d: ReportData) -> dict | None:
     return {"rows": rows, "by_gpu": by_gpu, "by_usd": by_usd, "probes": probes}
 
 
+def _primed(d: ReportData) -> dict[str, tuple[int, int]]:
+    """Per endpoint label: (requests, prompt tokens) the cache protocol sent to prime warm jobs
+    (run.json ``cache_states``): counted by the engine, not recorded."""
+    shown = set(d.endpoint_names)
+    out: dict[str, tuple[int, int]] = {}
+    for meta in d.runs:
+        for entry in getattr(meta, "cache_states", None) or ():
+            if not isinstance(entry, dict) or not entry.get("primed_prefixes"):
+                continue
+            name = str(entry.get("endpoint"))
+            label = f"{name}@{meta.run_id}" if f"{name}@{meta.run_id}" in shown else name
+            n, tokens = out.get(label, (0, 0))
+            out[label] = (n + int(entry["primed_prefixes"]),
+                          tokens + int(entry.get("primed_tokens") or 0))
+    return out
+
+
+def _token_check(row: dict) -> str:
+    """The records' token totals beside the engine counters' increase over the job:
+    "prompt 1,200 / 1,200; cached ...; completion ..." (n/a where a side is unknown)."""
+    def num(x) -> str:
+        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.0f}"
+
+    return "; ".join(f"{what} {num(row[a])} / {num(row[b])}" for what, a, b in (
+        ("prompt", "records_prompt", "engine_prompt"), ("cached", "records_cached", "engine_hits"),
+        ("completion", "records_completion", "engine_generation")))
+
+
 def _server_traces(d: ReportData) -> list[dict]:
     """TTFT split by the spans the servers exported over OTLP (runs that received any)."""
     import pyarrow as pa
@@ -353,7 +383,7 @@ def _server_traces(d: ReportData) -> list[dict]:
         if spans.num_rows == 0:
             continue
         req = read_table(path, "requests", columns=["request_id", "server_request_id",
-                                                    "endpoint", "status", "ttft_ns"])
+                                                    "endpoint", "status", "ttft_ns", "t_sent"])
         if len(d.runs) > 1:  # the labels the rest of the report uses for repeated names
             shown = set(d.endpoint_names)
             req = req.set_column(2, "endpoint", pa.array(

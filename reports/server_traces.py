@@ -31,34 +31,49 @@ def candidates(span_id: str):
 
 def join(requests: pa.Table, spans: pa.Table) -> pd.DataFrame:
     """One row per record matched to a span: the record's endpoint, client TTFT, and the span's
-    times (ns). Matches on the record's ``request_id`` or ``server_request_id``."""
+    times (ns). Matches on the record's ``request_id`` or ``server_request_id``. A run whose
+    jobs replay one workload sends each id once per job: a span then joins the record of that
+    id sent nearest its own start (``t_sent`` against the span's ``t_ns``), never the last."""
     if spans.num_rows == 0 or requests.num_rows == 0:
         return pd.DataFrame()
-    cols = [c for c in ("request_id", "server_request_id", "endpoint", "status", "ttft_ns")
-            if c in requests.column_names]
+    cols = [c for c in ("request_id", "server_request_id", "endpoint", "status", "ttft_ns",
+                        "t_sent") if c in requests.column_names]
     rec = requests.select(cols).to_pandas()
-    index: dict[str, int] = {}
+    index: dict[str, list[int]] = {}
     for col in ("server_request_id", "request_id"):  # the record's own id wins
         if col in rec:
             for i, v in enumerate(rec[col].to_numpy()):
                 if isinstance(v, str) and v:
-                    index[v] = i
+                    got = index.setdefault(v, [])
+                    if i not in got:
+                        got.append(i)
+    sent = rec["t_sent"].to_numpy(np.float64) if "t_sent" in rec else None
     sp = spans.to_pandas()
+    starts = sp["t_ns"].to_numpy(np.float64) if "t_ns" in sp else None
     rows, spans_at = [], []
     for j, sid in enumerate(sp["trace_request_id"].to_numpy()):
         if not isinstance(sid, str):
             continue
-        hit = next((index[c] for c in candidates(sid) if c in index), None)
-        if hit is not None:
-            rows.append(hit)
-            spans_at.append(j)
+        hits = next((index[c] for c in candidates(sid) if c in index), None)
+        if not hits:
+            continue
+        hit = hits[-1]
+        if len(hits) > 1 and sent is not None and starts is not None \
+                and not np.isnan(starts[j]):
+            dist = np.abs(sent[hits] - starts[j])
+            if not np.isnan(dist).all():
+                hit = hits[int(np.nanargmin(dist))]
+        rows.append(hit)
+        spans_at.append(j)
     if not rows:
         return pd.DataFrame()
     out = rec.iloc[rows].reset_index(drop=True)
     got = sp.iloc[spans_at].reset_index(drop=True)
     for c in ("queue_ns", "prefill_ns", "decode_ns", "ttft_ns", "e2e_ns", "trace_request_id"):
         out["server_" + c if c != "trace_request_id" else c] = got[c].to_numpy()
-    return out.drop_duplicates(subset=["request_id"], keep="last")
+    out["_row"] = rows  # one span per record: the last that joined it
+    out = out.drop_duplicates(subset=["_row"], keep="last").drop(columns=["_row"])
+    return out.drop(columns=["t_sent"], errors="ignore").reset_index(drop=True)
 
 
 def breakdown(joined: pd.DataFrame, spans_total: int | None = None) -> list[dict]:

@@ -248,5 +248,19 @@ def test_verify_diagnoses_disagreement():
     entry["counters_after"]["hits"] = 4500
     r = verify(entry, frame)
     assert any("another client" in x for x in r["findings"])
+    # prompt and completion tokens against the engine's own counters, to the token
+    entry["counters_after"].update(hits=4000, generation=400)
+    entry["counters_before"]["generation"] = 0
+    frame["completion_tokens"] = 8.0
+    r = verify(entry, frame)
+    assert (r["records_prompt"], r["records_completion"]) == (5000, 400) == (
+        r["engine_prompt"], r["engine_generation"])
+    assert not [x for x in r["findings"] if "tokens" in x], r["findings"]
+    entry["counters_after"].update(prompt=5100, generation=410)
+    found = [x for x in verify(entry, frame)["findings"] if "tokens" in x]
+    assert found == ["records' prompt tokens 5,000 vs the engine's prompt-token counter 5,100 "
+                     "(-100): another client used the endpoint during the job",
+                     "records' completion tokens 400 vs the engine's generated-token counter "
+                     "410 (-10): another client used the endpoint during the job"]
     frame["cached_tokens"] = float("nan")
     assert "no cached_tokens" in verify(entry, frame)["findings"][0]

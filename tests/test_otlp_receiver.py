@@ -135,3 +135,21 @@ def test_id_candidates():
     assert list(T.candidates("cmpl-rag-000002-0")) == [
         "cmpl-rag-000002-0", "rag-000002-0", "rag-000002", "rag"]
     assert list(T.candidates("abc")) == ["abc"]
+
+
+def test_a_repeated_id_joins_the_record_sent_nearest_the_span():
+    """A run whose jobs replay one workload sends each request id once per job (vLLM sees the
+    same X-Request-Id again): each span joins the record of its own job, by send time."""
+    from kvbench.core.schema import SPANS
+
+    req = records([("rag-000000", "vllm", 300), ("rag-000001", "vllm", 100),
+                   ("rag-000000", "vllm", 200)])
+    req = req.set_column(req.schema.get_field_index("t_sent"), "t_sent",
+                         pa.array([1_000, 2_000, 60_000_000_000], pa.int64()))
+    spans = pa.Table.from_pylist([
+        {"t_ns": 60_000_050_000, "trace_request_id": "cmpl-rag-000000-0", "ttft_ns": 150},
+        {"t_ns": 1_050, "trace_request_id": "cmpl-rag-000000-0", "ttft_ns": 250},
+        {"t_ns": 2_050, "trace_request_id": "cmpl-rag-000001-0", "ttft_ns": 90}], schema=SPANS)
+    joined = T.join(req, spans).sort_values("ttft_ns")
+    assert joined["ttft_ns"].tolist() == [100, 200, 300]  # every record once
+    assert joined["server_ttft_ns"].tolist() == [90, 150, 250]  # each with its own span

@@ -156,9 +156,10 @@ class OtlpReceiver:
         h.end_headers()
         h.wfile.write(data)
 
-    def drain(self, quiet_s: float = 6.0, max_s: float = 15.0) -> None:
+    def drain(self, quiet_s: float = 8.0, max_s: float = 20.0) -> None:
         """Wait until no export came for ``quiet_s`` (exporters batch spans for a few seconds:
-        the OpenTelemetry SDK's BatchSpanProcessor every 5 s), at most ``max_s``."""
+        the OpenTelemetry SDK's BatchSpanProcessor every 5 s, later on a busy host), at most
+        ``max_s``."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < max_s:
             with self._lock:

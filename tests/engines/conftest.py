@@ -53,8 +53,8 @@ def stop(proc: subprocess.Popen) -> None:
 def vllm(tmp_path_factory):
     """(url, otlp port): vLLM with its dev-mode API (cache reset), usage cached tokens and
     OTLP/HTTP traces to a port the test's kvbench run listens on."""
-    if not (E.vllm_bin().exists() and (E.MODEL_DIR / "config.json").exists()):
-        pytest.skip(f"vLLM CPU not installed under {E.CACHE}: run `python "
+    if not (E.vllm_ready() and E.model_ready()):
+        pytest.skip(f"vLLM CPU not installed under {E.CACHE}: run `.venv/bin/python "
                     "tests/engines/setup_engines.py vllm model` (about 2 minutes, 3.4 GB)")
     port, otlp = free_port(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
@@ -78,9 +78,12 @@ def vllm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
-    gguf = E.MODEL_DIR / "tiny-llama.gguf"
-    if not (E.llama_server_bin().exists() and gguf.exists()):
-        pytest.skip(f"llama-server not built under {E.CACHE}: run `python "
+    """(url, log): llama-server with two slots (each holds one prompt: room for both of the
+    test workload's documents), its slot-erase call (--slot-save-path) and no host-RAM prompt
+    cache (--cache-ram 0: an erased prompt would come back from it); the log has its timings."""
+    gguf = E.gguf_path()
+    if not E.llamacpp_ready():
+        pytest.skip(f"llama-server not built under {E.CACHE}: run `.venv/bin/python "
                     "tests/engines/setup_engines.py llamacpp` (about 8 minutes on 2 cores)")
     port = free_port()
     tmp = tmp_path_factory.mktemp("llama")
@@ -88,12 +91,12 @@ def llama_server(tmp_path_factory):
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             [E.llama_server_bin(), "-m", gguf, "--alias", SERVED_MODEL, "--host", "127.0.0.1",
-             "--port", str(port), "-c", "8192", "-np", "1", "--metrics",
+             "--port", str(port), "-c", "8192", "-np", "2", "--metrics",
              "--slot-save-path", tmp, "--cache-ram", "0"],
             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, log)
-        yield url
+        yield url, log
     finally:
         stop(proc)
