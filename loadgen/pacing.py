@@ -150,6 +150,18 @@ class OpenLoopDispatcher:
         gevent.wait([self.stopped, self._cut], timeout=seconds, count=1)
         return self.stopped.is_set() or self._cut.is_set()
 
+    def _until(self, t_ns: int, mono) -> bool:
+        """Sleep until ``t_ns`` (perf_counter ns); True when the run stopped or the stage was
+        cut meanwhile. The loop's timers count from its cached time, which can be a little
+        behind the clock, so a wake-up can come microseconds early: sleep the rest again (a
+        request is never sent before its schedule)."""
+        while True:
+            delay = (t_ns - mono()) / 1e9
+            if delay <= 0:
+                return False
+            if self._wait(delay):
+                return True
+
     def stop(self) -> None:
         """Start nothing more (requests in flight go on; see ``wait_idle`` and ``cancel``)."""
         self._event().set()
@@ -189,8 +201,7 @@ class OpenLoopDispatcher:
             for t_sched, req in arrivals:
                 if self._counted(st, in_stage):  # a share of 0 (more processes than requests)
                     break
-                delay = (t_sched - mono()) / 1e9
-                if delay > 0 and self._wait(delay):
+                if self._until(t_sched, mono):
                     break
                 if stopped.is_set() or cut.is_set():
                     break
