@@ -89,10 +89,11 @@ def write_config(out: Path, name: str, seed: int, a, rates: list[float]) -> Path
         f"stages = [{{ rate_rps = {r:g}, duration_s = {a.stage_s + a.warmup_s:g} }}]\n"
         "drain_s = 10\n"
         for i, r in enumerate(rates))
+    budget = a.budget_s if a.budget_s is not None else a.stage_s * len(rates) / 4
     search = SEARCH.format(start=a.start_rps, probe_s=a.probe_s, max_probe_s=a.max_probe_s,
-                           precision=a.precision, budget=a.budget_s)
+                           precision=a.precision, budget=f"{budget:g}")
     top = max(rates + [a.start_rps])
-    requests = int(max(top * a.stage_s, top * 1.7 * a.budget_s) * 1.5) + 200
+    requests = int(max(top * (a.stage_s + a.warmup_s), top * 1.7 * budget) * 1.5) + 200
     cfg = out / "configs" / f"{name}.toml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(CONFIG.format(seed=seed, results=out / "results", seqs=a.max_num_seqs,
@@ -187,7 +188,8 @@ def main() -> None:
     ap.add_argument("--max-probe-s", type=float, default=10.0)
     ap.add_argument("--precision", type=float, default=0.05)
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="the search's budget (default: a quarter of the sweep's load-seconds)")
+                    help="the search's budget, s (default: a quarter of the sweep's "
+                         "load-seconds; with --skip-sweep, of --stage-s x --sweep-n)")
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--out", default="/tmp/kvbench-search-truth")
     ap.add_argument("--reuse", action="store_true", help="re-read runs already in --out")
@@ -201,8 +203,6 @@ def main() -> None:
     rates = [float(f"{a.sweep_lo * (a.sweep_hi / a.sweep_lo) ** (i / max(1, a.sweep_n - 1)):.3g}")
              for i in range(a.sweep_n)]
     sweep_load = a.stage_s * len(rates)
-    if a.budget_s is None:
-        a.budget_s = sweep_load / 4
     out = Path(a.out)
     target = 0.95
     t0 = time.monotonic()
@@ -231,6 +231,8 @@ def main() -> None:
         raise SystemExit(f"no truth: {note}")
     print(f"\nTRUTH: capacity at SLO {truth:.3f} req/s ({note}); sweep load {sweep_load:g} s",
           flush=True)
+    if a.budget_s is None:  # a quarter of the sweep as it ran (rates far above were skipped)
+        a.budget_s = sweep_load / 4
 
     print(f"\nsearch x {a.repeats} (budget {a.budget_s:g} s, precision {a.precision:g}, "
           f"probes {a.probe_s:g}-{a.max_probe_s:g} s from {a.start_rps:g} req/s):", flush=True)

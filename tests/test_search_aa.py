@@ -1,0 +1,101 @@
+"""The capacity search as an A/B instrument: the same endpoint searched twice (A/A, different
+seeds) gives overlapping capacity intervals, and the endpoint made 20% slower
+(``options.slowdown = 1.2``) a capacity at least 15% lower whose interval lies wholly below.
+
+The interval of a search is its bracket [highest passing rate, lowest failing rate above it]:
+the capacity was shown (and confirmed) at the first and refuted at the second. The endpoint is the built-in colocated one,
+shrunk (4 sequences at a time on one replica, at half the model's clock) so that its capacity
+is about 12.7 req/s with a TTFT SLO of 250 ms (``bench/search_truth.py``'s endpoint), and the
+searches use short probes, a coarse precision (15%) and a small budget: three ``kvbench run`` searches in about two minutes. Asserts only on the rates
+the searches settled on (paced by the emulator's modelled time), never on how long they took.
+``bench/search_aa.py`` repeats this over several seeds and prints the numbers.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.core.store import load_results
+from kvbench.reports import capacity as C
+from kvbench.reports.metrics import request_frame
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = """
+[suite]
+name = "search-aa"
+seed = {seed}
+results_dir = "{results}"
+workloads = ["chat"]
+profile = "search"
+
+[[endpoints]]
+name = "emu"
+kind = "builtin"
+topology = "colocated"
+options = {{ max_num_seqs = 4, replicas = 1, time_scale = 0.5, slowdown = {slowdown} }}
+
+[workloads.chat]
+kind = "chat"
+requests = 1500
+prompt_tokens = {{ dist = "constant", mean = 64 }}
+output_tokens = {{ dist = "constant", mean = 32 }}
+
+[profiles.search]
+pacing = "search"
+search = {{ start_rps = 3.0, growth = 2.0, probe_s = 4, min_requests = 20, max_probe_s = 5, min_class_requests = 5, refine = 1, precision = 0.15, budget_s = 50, settle_s = 3 }}
+drain_s = 2
+
+[slo.chat]
+ttft_ms = 250
+
+[collect]
+nvml = false
+"""
+
+
+def search(tmp: Path, run_id: str, seed: int, slowdown: float) -> C.Capacity:
+    """One ``kvbench run`` search; the Capacity its records and run.json give."""
+    cfg = tmp / f"{run_id}.toml"
+    cfg.write_text(CONFIG.format(seed=seed, results=tmp / "results", slowdown=slowdown))
+    p = subprocess.run([sys.executable, "-m", "kvbench", "run", "--config", str(cfg),
+                        "--run-id", run_id], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = load_results(tmp / "results" / run_id)
+    slo = res.meta.config["slo"]
+    (cap,) = C.summarise(res.meta.stages, request_frame(res.requests, stages=res.meta.stages,
+                                                        slo=slo), slo)
+    return cap
+
+
+def interval(cap: C.Capacity) -> tuple[float, float]:
+    assert cap.capacity_rps is not None and cap.fail_rps is not None, cap
+    return cap.capacity_rps, cap.fail_rps
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("search-aa")
+    return {"a": search(tmp, "a", 1, 1.0), "a2": search(tmp, "a2", 2, 1.0),
+            "slow": search(tmp, "slow", 1, 1.2), "dir": tmp}
+
+
+def test_same_endpoint_twice_gives_overlapping_intervals(searched):
+    (lo1, hi1), (lo2, hi2) = interval(searched["a"]), interval(searched["a2"])
+    # the brackets [last pass, first fail] share a rate: one search's failure above the
+    # other's pass would have them disagree about the same endpoint
+    assert max(lo1, lo2) <= min(hi1, hi2), (searched["a"], searched["a2"])
+
+
+def test_twenty_percent_slower_endpoint_loses_capacity(searched):
+    lo_s, hi_s = interval(searched["slow"])
+    for key in ("a", "a2"):
+        lo, _ = interval(searched[key])
+        assert lo_s <= 0.85 * lo, (searched["slow"], searched[key])
+        assert hi_s < lo, (searched["slow"], searched[key])  # wholly below: shown apart
+    meta = json.loads((searched["dir"] / "results" / "slow" / "run.json").read_text())
+    assert meta["config"]["endpoints"][0]["options"]["slowdown"] == 1.2
