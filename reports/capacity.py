@@ -240,8 +240,14 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
     for ep, wl in keys:
         probes = [s for s in searched if (s.get("endpoint"), s.get("workload")) == (ep, wl)]
         sub = frame[(frame["endpoint"].astype(str) == ep) & (frame["workload"].astype(str) == wl)]
-        passes = [s["rate_rps"] for s in probes if s["search"].get("verdict") == "pass"]
-        fails = [s["rate_rps"] for s in probes if s["search"].get("verdict") == "fail"]
+        # a rate's settled verdict is its last probe's (a refinement or confirmation pools
+        # the earlier probes at that rate): a pass refuted by its confirmation is a failure
+        settled = {}
+        for s in sorted(probes, key=lambda s: s["index"]):
+            if s["search"].get("verdict") in ("pass", "fail"):
+                settled[s["rate_rps"]] = s["search"]["verdict"]
+        passes = [r for r, v in settled.items() if v == "pass"]
+        fails = [r for r, v in settled.items() if v == "fail"]
         cap = max(passes) if passes else None
         above = [r for r in fails if cap is None or r > cap]
         fail = min(above) if above else None

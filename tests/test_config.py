@@ -154,3 +154,18 @@ def test_workloads_of_the_wrong_type_are_one_sentence(tmp_path, workloads):
         load_config(p)
     msg = str(ei.value)
     assert msg.startswith(f"{p}: field workloads") and "\n" not in msg and msg.endswith(".")
+
+
+@pytest.mark.parametrize("value", ["0", "-1.2", "1000", "nan"])
+def test_builtin_slowdown_out_of_range_is_one_sentence(tmp_path, value):
+    text = (ROOT / "bench.toml").read_text()
+    old = 'topology = "colocated"\n'
+    p = tmp_path / "bench.toml"
+    p.write_text(text.replace(old, old + f"options = {{ slowdown = {value} }}\n", 1))
+    with pytest.raises(UserError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: field endpoints[0].options.slowdown: slowdown is ")
+    assert "1.2 makes the endpoint 20% slower" in msg and msg.count("\n") == 0
+    p.write_text(text.replace(old, old + "options = { slowdown = 1.2 }\n", 1))
+    assert load_config(p).endpoints[0].options["slowdown"] == 1.2

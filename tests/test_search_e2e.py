@@ -73,7 +73,7 @@ def test_every_probe_is_a_stage_with_its_search_role(searched):
     probes = [s for s in meta["stages"] if s.get("search")]
     assert probes and len(probes) == len(meta["stages"])
     assert probes[0]["search"]["role"] == "ramp" and probes[0]["rate_rps"] == 3.0
-    assert {p["search"]["role"].split(" ")[0] for p in probes} <= {"ramp", "refine", "bisect"}
+    assert {p["search"]["role"].split(" ")[0] for p in probes} <= {"ramp", "refine", "bisect", "confirm"}
     res = load_results(run_dir)
     assert set(res.requests.column("stage").to_pylist()) <= {p["index"] for p in probes}
     assert "CAPACITY at SLO: tiny x chat" in out

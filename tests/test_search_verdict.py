@@ -19,7 +19,7 @@ SLO = {"chat": {"ttft_ms": 500, "tpot_ms": 50}, "rag": {"ttft_ms": 1000}}
 SPEC = {"start_rps": 1.0, "growth": 2.0, "target": 0.95, "confidence": 0.95, "probe_s": 10.0,
         "min_requests": 30, "max_probe_s": 60.0, "min_class_requests": 5, "refine": 1,
         "precision": 0.1, "budget_s": 10_000.0, "max_rps": 10_000.0, "min_rps": 0.05,
-        "settle_s": 10.0}
+        "settle_s": 10.0, "confirm": True}
 
 
 def frame(rows):
@@ -162,7 +162,9 @@ def test_planner_brackets_a_known_capacity(capacity, start, growth):
     assert all(r == "ramp" for r in roles[:first_fail + 1])
     ramp = math.ceil(abs(math.log(capacity / start)) / math.log(growth)) + 1
     bisect = math.ceil(math.log2(math.log(growth) / math.log(1 + spec["precision"]))) + 1
-    assert len(p.history) <= ramp + max(0, bisect)
+    assert len(p.history) <= ramp + max(0, bisect) + 1  # + the confirmation
+    (last, v), = p.history[-1:]
+    assert last.role == "confirm" and last.rate_rps == lo and v == "pass"
 
 
 def test_planner_refines_a_straddle_then_counts_it_as_a_failure():
@@ -173,6 +175,52 @@ def test_planner_refines_a_straddle_then_counts_it_as_a_failure():
     assert p.verdict_at(10.0) == "fail"  # still straddling after its refinement
     lo, hi = p.bracket()
     assert hi == 10.0 and lo < 10.0
+
+
+def test_capacity_is_confirmed_before_it_is_claimed():
+    """A single pass between queue bursts is probed again; when the confirmation (pooled)
+    does not pass, the rate counts as failed and the search goes on below it."""
+    lucky = {"rate": None}
+
+    def oracle(probe, capacity=10.0):
+        if probe.role == "confirm" and probe.rate_rps > capacity:
+            return "straddle"  # the pooled sample shows the misses the first probe missed
+        if probe.rate_rps <= capacity:
+            return "pass"
+        if lucky["rate"] is None and probe.role == "bisect":
+            lucky["rate"] = probe.rate_rps  # the first bisection above capacity passes
+            return "pass"
+        return "fail"
+
+    p = Planner(dict(SPEC, start_rps=4.0, precision=0.1))
+    while (probe := p.next()) is not None:
+        p.record(probe, oracle(probe))
+    lo, hi = p.bracket()
+    assert lucky["rate"] is not None and p.verdict_at(lucky["rate"]) == "fail"
+    assert lo <= 10.0 < hi and hi / lo - 1 <= 0.1
+    confirms = [q for q, _ in p.history if q.role == "confirm"]
+    assert confirms[-1].rate_rps == lo and p.verdict_at(lo) == "pass"
+    # a rate already judged on two probes (a refined straddle that passed) is not confirmed
+    q = Planner(dict(SPEC, start_rps=10.0, precision=0.5))
+    for probe, v in ((Probe(0, 10.0, 10.0), "straddle"), (Probe(1, 10.0, 10.0, "refine"), "pass"),
+                     (Probe(2, 12.0, 10.0), "fail")):
+        q.record(probe, v)
+    assert q.next() is None
+    assert Planner(dict(SPEC, confirm=False), [(Probe(0, 10.0, 10.0), "pass"),
+                                               (Probe(1, 10.5, 10.0), "fail")]).next() is None
+
+
+def test_summarise_takes_a_rates_last_verdict():
+    rows = [("chat", 30, 20, "ok")] * 40
+    f = pd.concat([frame(rows).assign(stage=i) for i in range(3)], ignore_index=True)
+    f["endpoint"], f["workload"] = "ep", "mix"
+    f["completion_tokens"] = 10.0
+    stages = [{"endpoint": "ep", "workload": "mix", "index": i, "rate_rps": r,
+               "duration_s": 5.0, "search": {"role": role, "verdict": v}}
+              for i, (r, role, v) in enumerate([(4.0, "ramp", "pass"), (8.0, "bisect", "pass"),
+                                                (8.0, "confirm", "fail")])]
+    (cap,) = C.summarise(stages, f, SLO)
+    assert (cap.capacity_rps, cap.fail_rps) == (4.0, 8.0)
 
 
 def test_planner_stays_within_its_budget():

@@ -29,7 +29,8 @@ class SearchSpec(Strict):
     """``[profiles.<name>] pacing = "search"``: the capacity search (``kvbench.runs.search``).
     Open loop: Poisson probes from ``start_rps``, times ``growth`` to the first failing probe,
     then geometric bisection until the bracket is within ``precision``; a probe whose bootstrap
-    interval straddles ``target`` is run again ``refine`` times (its requests pooled)."""
+    interval straddles ``target`` is run again ``refine`` times (its requests pooled); with
+    ``confirm``, the capacity's rate is probed again before it is claimed."""
 
     start_rps: float = Field(default=1.0, gt=0, le=1e6)
     growth: float = Field(default=2.0, gt=1, le=100)
@@ -40,6 +41,10 @@ class SearchSpec(Strict):
     max_probe_s: float = Field(default=120.0, gt=0, le=3600)
     min_class_requests: int = Field(default=5, ge=1, le=100_000)  # fewer: a class cannot pass
     refine: int = Field(default=1, ge=0, le=10)
+    # Before claiming its capacity, probe the highest passing rate once more (requests pooled)
+    # when it passed on one probe: misses come in queue bursts, and one short probe can fall
+    # between two bursts and pass a rate the endpoint does not sustain (bench/search_truth.py).
+    confirm: bool = True
     precision: float = Field(default=0.1, gt=0, le=10)  # stop when fail / pass - 1 <= this
     budget_s: float = Field(default=300.0, gt=0, le=MAX_SECONDS)  # per endpoint x workload
     max_rps: float = Field(default=10_000.0, gt=0, le=1e6)

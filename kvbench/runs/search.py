@@ -12,7 +12,10 @@ The plan (``Planner``): ramp geometrically from ``start_rps`` by ``growth`` to t
 failing probe (down from the start when it fails), then bisect the bracket geometrically until
 fail / pass - 1 is within ``precision``. A probe straddling the target is run again at the
 same rate (``refine`` times; its requests pooled, so the sample grows), and counts as failed
-after that: a capacity is only claimed where it was shown. The verdict is
+after that: a capacity is only claimed where it was shown. When the bracket is narrow enough,
+its lower end is probed again (``confirm``, pooled) unless two probes already judged it: one
+short probe can fall between two queue bursts and pass a rate the endpoint does not sustain;
+a confirmation that does not pass refutes the rate and the search goes on below it. The verdict is
 ``reports.capacity.probe_verdict``; while a probe runs it is cut as soon as it is saturated
 (``reports.capacity.saturated``) or its verdict can no longer change; after its schedule,
 the search waits for its stragglers only as long as they could change the verdict
@@ -62,7 +65,7 @@ class Probe:
     index: int
     rate_rps: float
     duration_s: float
-    role: str = "ramp"  # ramp | refine | bisect
+    role: str = "ramp"  # ramp | refine | bisect | confirm
 
 
 class ProbeFeed:
@@ -127,13 +130,17 @@ class Planner:
     spec: dict
     history: list = field(default_factory=list)  # (Probe, verdict)
 
+    def tries(self, rate: float) -> int:
+        return sum(1 for p, _ in self.history if p.rate_rps == rate)
+
     def verdict_at(self, rate: float) -> str | None:
-        """The settled verdict at ``rate``: a straddle after its refinements counts as fail."""
+        """The settled verdict at ``rate`` (its last probe's, on all its requests pooled): a
+        straddle after its refinements, or on a confirmation, counts as fail."""
         vs = [v for p, v in self.history if p.rate_rps == rate]
         if not vs:
             return None
         last = vs[-1]
-        if last == "straddle" and len(vs) > self.spec["refine"]:
+        if last == "straddle" and (len(vs) > self.spec["refine"] or "pass" in vs[:-1]):
             return "fail"
         return last
 
@@ -172,6 +179,8 @@ class Planner:
                 return None
         else:
             if hi / lo - 1 <= s["precision"]:
+                if s.get("confirm", True) and self.tries(lo) < 2:
+                    return Probe(index, lo, self.duration(lo), "confirm")
                 return None
             rate, role = math.sqrt(lo * hi), "bisect"
         rate = float(f"{rate:.4g}")
@@ -347,7 +356,8 @@ def run(job, processes: int = 1, say=_say) -> Result:
         planner.record(w.probe, verdict)
         if verdict == "straddle" and planner.verdict_at(w.probe.rate_rps) == "fail":
             verdict = "fail"  # no capacity is claimed where it was not shown
-            why += f"; still straddling after {spec['refine']} refinement(s)"
+            why += ("; the confirmation did not pass" if w.probe.role == "confirm" else
+                    f"; still straddling after {spec['refine']} refinement(s)")
         entries[w.probe.index].update(verdict=verdict, why=why)
         _write(ctl, state)
         if verdict == "pass":
