@@ -265,7 +265,8 @@ class LoadContext:
             from kvbench.runs.search import ProbeFeed
 
             feed = ProbeFeed(self.run_dir, self.endpoint, self.workload_name)
-            d.stages = (StagePlan(p.index, p.duration_s, p.rate_rps) for p in feed.probes(d))
+            d.stages = (StagePlan(p.index, p.duration_s, p.rate_rps, exact_count=True)
+                        for p in feed.probes(d))
         if self.stopping.is_set():
             d.stop()
         d.run()

@@ -26,6 +26,10 @@ class StagePlan:
     rate_rps: float | None = None  # open loop, for the whole run (all processes)
     users: int | None = None  # closed loop
     requests: int | None = None  # ends after this many sent (this process's share)
+    # open loop: exactly rate x duration arrivals, at sorted uniform times (a Poisson process
+    # conditioned on its count: its gaps stay random, the count does not wander +-10% over a
+    # short stage, as a capacity search's probe needs)
+    exact_count: bool = False
 
 
 def share_of(n: int | None, index: int, count: int) -> int | None:
@@ -196,7 +200,9 @@ class OpenLoopDispatcher:
                 arrivals = self._trace_times(t_start, t_end)
             else:
                 rate = (st.rate_rps or 0) * self.share
-                arrivals = self._rate_times(rate, t_start, t_end)
+                arrivals = (self._counted_times(rate, t_start, t_end)
+                            if getattr(st, "exact_count", False) else
+                            self._rate_times(rate, t_start, t_end))
             in_stage = 0
             for t_sched, req in arrivals:
                 if self._counted(st, in_stage):  # a share of 0 (more processes than requests)
@@ -249,6 +255,14 @@ class OpenLoopDispatcher:
             t += gap * 1e9
             if t >= t_end:
                 return
+            yield int(t), None
+
+    def _counted_times(self, rate: float, t_start: int, t_end: int) -> Iterator[tuple]:
+        """``round(rate x duration)`` arrivals at sorted uniform times in the stage."""
+        n = int(round(rate * (t_end - t_start) / 1e9))
+        if n <= 0:
+            return
+        for t in np.sort(self.rng.uniform(t_start, t_end, n)):
             yield int(t), None
 
     def _trace_times(self, t_start: int, t_end: int) -> Iterator[tuple]:

@@ -69,6 +69,20 @@ def test_dispatcher_rate_stages_and_drops_at_cap():
     assert max(d.lag_ns) < 50e6
 
 
+@settings(max_examples=60, deadline=None)
+@given(rate=st.floats(0.1, 500), duration_s=st.floats(0.05, 60), seed=st.integers(0, 2**16))
+def test_a_counted_stage_sends_exactly_rate_times_duration(rate, duration_s, seed):
+    """A capacity-search probe's arrivals (``exact_count``): round(rate x duration) of them,
+    in order, inside the stage; a plain Poisson stage's count wanders (its count is random)."""
+    d = OpenLoopDispatcher(lambda *a: None, iter(lambda: _Req(), None), [], pacing="poisson",
+                           seed=seed)
+    t0, t1 = 10**12, 10**12 + int(duration_s * 1e9)
+    times = [t for t, _ in d._counted_times(rate, t0, t1)]
+    assert len(times) == int(round(rate * (t1 - t0) / 1e9))
+    assert times == sorted(times)
+    assert all(t0 <= t <= t1 for t in times)
+
+
 def row(i):
     vals = {c: None for c in COLUMNS}
     vals.update(run_id="r", request_id=f"q{i}", status="ok", chunk_offsets_ns=[1, 2],
