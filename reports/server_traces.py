@@ -76,7 +76,7 @@ def join(requests: pa.Table, spans: pa.Table) -> pd.DataFrame:
     return out.drop(columns=["t_sent"], errors="ignore").reset_index(drop=True)
 
 
-def breakdown(joined: pd.DataFrame, spans_total: int | None = None) -> list[dict]:
+def breakdown(joined: pd.DataFrame) -> list[dict]:
     """Per endpoint, medians in ms over matched requests that finished: client TTFT, server
     queue, prefill, front end (server TTFT - queue - prefill) and outside the server (client
     TTFT - server TTFT)."""
