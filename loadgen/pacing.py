@@ -200,9 +200,8 @@ class OpenLoopDispatcher:
                 arrivals = self._trace_times(t_start, t_end)
             else:
                 rate = (st.rate_rps or 0) * self.share
-                arrivals = (self._counted_times(rate, t_start, t_end)
-                            if getattr(st, "exact_count", False) else
-                            self._rate_times(rate, t_start, t_end))
+                arrivals = (self._counted_times(rate, t_start, t_end) if st.exact_count
+                            else self._rate_times(rate, t_start, t_end))
             in_stage = 0
             for t_sched, req in arrivals:
                 if self._counted(st, in_stage):  # a share of 0 (more processes than requests)

@@ -20,7 +20,7 @@ from kvbench.collectors.session import start_collectors
 from kvbench.config import CollectConfig
 from kvbench.runs import builtin
 from kvbench.runs.locust import free_port
-from test_reports_render import _browser_or_skip
+from browser import CHROMIUM, browser_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def finish(proc):
 
 
 def test_kvbench_tab_in_chromium_during_a_run(endpoint, config, tmp_path):
-    sync_api = _browser_or_skip()
+    sync_api = browser_or_skip()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     run_dir = tmp_path / "live-tab"
@@ -137,7 +137,7 @@ def test_kvbench_tab_in_chromium_during_a_run(endpoint, config, tmp_path):
     try:
         wait_for(lambda: get_json(f"{base}/kvbench/live.json")["rows"])
         with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+            browser = p.chromium.launch(executable_path=CHROMIUM,
                                         args=["--no-sandbox"])
             try:
                 page = browser.new_page(viewport={"width": 1500, "height": 1000})

@@ -4,8 +4,6 @@ frontier (reports/pareto.py), and the Pareto plot in headless Chromium."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from browser import browser_or_skip, offline_page
 from kvbench.cli import main
 from kvbench.reports import pareto as P
 from kvbench.reports.data import load
@@ -22,7 +21,6 @@ from kvbench.reports.render import build_context
 from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
 
 
 def _frame(rows: list[tuple]) -> pd.DataFrame:
@@ -153,16 +151,10 @@ def test_knee_on_a_saturating_curve():
     assert P.frontier(x + [500], y + [25]).tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def _browser_or_skip():
-    if not Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing on CI; .ci/run installs Debian's chromium")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
-    return pytest.importorskip("playwright.sync_api")
 
 
 def test_pareto_plot_in_headless_chromium(tmp_path):
-    sync_api = _browser_or_skip()
+    sync_api = browser_or_skip()
     shape = RunShape(endpoints=[
         EndpointShape("colocated", gpus=2, gpu_hour_cost=4.0),
         EndpointShape("disaggregated", "disaggregated", ttft_base_ms=150, gpus=2,
@@ -175,37 +167,20 @@ def test_pareto_plot_in_headless_chromium(tmp_path):
     html = out.read_text()
     assert "<script src" not in html and "example price" in html
     errors, requests = [], []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: errors.append(m.text) if m.type in (
-                "error", "warning") else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-
-            def route(r):
-                requests.append(r.request.url)
-                r.continue_() if r.request.url.startswith("file:") else r.abort()
-
-            page.route("**/*", route)
-            page.goto(out.as_uri())
-            page.wait_for_function("document.querySelector('#plot-pareto .main-svg') !== null",
-                                   timeout=20_000)
-            names = page.evaluate("document.getElementById('plot-pareto').data"
-                                  ".map(t => t.name)")
-            assert names == ["colocated", "colocated knee", "disaggregated",
-                             "disaggregated knee", "Pareto frontier (all endpoints)"]
-            n_points = page.evaluate("document.getElementById('plot-pareto').data[0].x.length")
-            assert n_points == 3  # one point per stage
-            assert page.locator("#per-gpu-table tbody tr").count() == 6
-            assert page.locator("#plot-pareto .scatterlayer .trace").count() == 5
-            art = ROOT / "test-artifacts"
-            art.mkdir(exist_ok=True)
-            page.locator("#plot-pareto").screenshot(path=str(art / "pareto.png"))
-        finally:
-            browser.close()
+    with offline_page(sync_api, out, errors, requests) as page:
+        page.wait_for_function("document.querySelector('#plot-pareto .main-svg') !== null",
+                               timeout=20_000)
+        names = page.evaluate("document.getElementById('plot-pareto').data"
+                              ".map(t => t.name)")
+        assert names == ["colocated", "colocated knee", "disaggregated",
+                         "disaggregated knee", "Pareto frontier (all endpoints)"]
+        n_points = page.evaluate("document.getElementById('plot-pareto').data[0].x.length")
+        assert n_points == 3  # one point per stage
+        assert page.locator("#per-gpu-table tbody tr").count() == 6
+        assert page.locator("#plot-pareto .scatterlayer .trace").count() == 5
+        art = ROOT / "test-artifacts"
+        art.mkdir(exist_ok=True)
+        page.locator("#plot-pareto").screenshot(path=str(art / "pareto.png"))
     assert errors == []
     assert [u for u in requests if not u.startswith("file:")] == []
     assert (ROOT / "test-artifacts" / "pareto.png").stat().st_size > 10_000

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from browser import browser_or_skip, offline_page
 from kvbench.cli import main
 from synthetic import (T0_NS, EndpointShape, RunShape, engine_table, gpu_table,
                        run_meta, synth_table, write_run)
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
 EVIL_MODEL = 'llama<script>window.__pwned = 1</script>'
 EVIL_ENDPOINT = 'vendor</script><script>window.__pwned2 = 1</script>'
 FIGURES = ("pareto", "cdf_ttft", "cdf_itl", "cdf_e2e", "latency_vs_load", "goodput_vs_load",
@@ -42,17 +40,10 @@ def run_dir(tmp_path_factory):
     return d
 
 
-def _browser_or_skip():
-    if not Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing on CI; .ci/run installs Debian's chromium")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    return sync_api
 
 
 def test_html_report_in_headless_chromium(run_dir, tmp_path):
-    sync_api = _browser_or_skip()
+    sync_api = browser_or_skip()
     out = tmp_path / "report.html"
     assert main(["report", str(run_dir), "-o", str(out)]) == 0
     html = out.read_text()
@@ -60,45 +51,28 @@ def test_html_report_in_headless_chromium(run_dir, tmp_path):
     assert "<script src" not in html and "<link" not in html
     assert EVIL_MODEL not in html and EVIL_ENDPOINT not in html  # escaped everywhere
     errors, requests = [], []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: errors.append(m.text) if m.type in (
-                "error", "warning") else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-
-            def route(r):
-                requests.append(r.request.url)
-                r.continue_() if r.request.url.startswith("file:") else r.abort()
-
-            page.route("**/*", route)
-            page.goto(out.as_uri())
-            page.wait_for_function(
-                f"document.querySelectorAll('div.plot .main-svg').length >= {len(FIGURES)}",
-                timeout=20_000)
-            rendered = page.evaluate(
-                "Array.from(document.querySelectorAll('div.plot.js-plotly-plot'))"
-                ".map(d => d.id)")
-            assert rendered == [f"plot-{k}" for k in FIGURES]
-            traces = page.evaluate("Array.from(document.querySelectorAll('div.plot'))"
-                                   ".map(d => d.data.length)")
-            assert all(n >= 1 for n in traces)
-            assert page.evaluate("window.__pwned === undefined && window.__pwned2 === undefined")
-            assert EVIL_MODEL in page.inner_text("td.model >> nth=0")
-            assert EVIL_ENDPOINT in page.inner_text("#summary thead")
-            legend = page.evaluate("document.getElementById('plot-cdf_ttft').data"
-                                   ".map(t => t.name)")
-            assert EVIL_ENDPOINT in legend
-            assert page.locator(".finding").count() >= 2  # transfer tax, lost prefix hits
-            assert page.locator("td.best").count() > 10
-            art = ROOT / "test-artifacts"
-            art.mkdir(exist_ok=True)
-            page.screenshot(path=str(art / "report.png"), full_page=True)
-        finally:
-            browser.close()
+    with offline_page(sync_api, out, errors, requests) as page:
+        page.wait_for_function(
+            f"document.querySelectorAll('div.plot .main-svg').length >= {len(FIGURES)}",
+            timeout=20_000)
+        rendered = page.evaluate(
+            "Array.from(document.querySelectorAll('div.plot.js-plotly-plot'))"
+            ".map(d => d.id)")
+        assert rendered == [f"plot-{k}" for k in FIGURES]
+        traces = page.evaluate("Array.from(document.querySelectorAll('div.plot'))"
+                               ".map(d => d.data.length)")
+        assert all(n >= 1 for n in traces)
+        assert page.evaluate("window.__pwned === undefined && window.__pwned2 === undefined")
+        assert EVIL_MODEL in page.inner_text("td.model >> nth=0")
+        assert EVIL_ENDPOINT in page.inner_text("#summary thead")
+        legend = page.evaluate("document.getElementById('plot-cdf_ttft').data"
+                               ".map(t => t.name)")
+        assert EVIL_ENDPOINT in legend
+        assert page.locator(".finding").count() >= 2  # transfer tax, lost prefix hits
+        assert page.locator("td.best").count() > 10
+        art = ROOT / "test-artifacts"
+        art.mkdir(exist_ok=True)
+        page.screenshot(path=str(art / "report.png"), full_page=True)
     assert errors == []
     assert [u for u in requests if not u.startswith("file:")] == []
     assert (ROOT / "test-artifacts" / "report.png").stat().st_size > 50_000
