@@ -84,8 +84,16 @@ def client_alone(a) -> None:
             arrivals[rid] = [r.t_sent_mono_ns + o for o in r.offsets_ns]
             i += 1
 
+    from kvbench.loadgen.looplag import LoopLag
+
+    lag = LoopLag().start()  # the same monitor the Locust path runs
     gevent.joinall([gevent.spawn(loop, k) for k in range(a.streams)])
-    Path(a.out).write_text(json.dumps(arrivals))
+    _write_out(a.out, arrivals, lag.total_max_ns / 1e6)
+
+
+def _write_out(path: str, arrivals: dict, pause_max_ms: float) -> None:
+    Path(path).write_text(json.dumps(arrivals))
+    Path(path + ".pause").write_text(f"{pause_max_ms:.2f}")
 
 
 def lean(a) -> None:
@@ -132,16 +140,28 @@ def lean(a) -> None:
             if not open_streams and not finished[0].done():
                 finished[0].set_result(None)
 
+    pause = {"last": 0, "max": 0}
+    tick_ns = 2_000_000  # as loadgen/looplag.py: a timer every 2 ms, its lateness is the pause
+
+    def tick() -> None:
+        now = mono()
+        pause["max"] = max(pause["max"], now - pause["last"] - tick_ns)
+        pause["last"] = now
+        asyncio.get_running_loop().call_later(tick_ns / 1e9, tick)
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        pause["last"] = mono()
+        loop.call_later(tick_ns / 1e9, tick)
         finished.append(loop.create_future())
         for k in range(a.streams):
             _, p = await loop.create_connection(lambda k=k: Stream(k), host, int(port))
             open_streams.add(p)
+        pause["max"] = 0  # from here on: load (the connections are up)
         await finished[0]
 
     asyncio.run(main())
-    Path(a.out).write_text(json.dumps(arrivals))
+    _write_out(a.out, arrivals, pause["max"] / 1e6)
 
 
 PLAIN_LOCUSTFILE = '''
@@ -287,6 +307,9 @@ def run_client(kind: str, url: str, a, streams: int, tmp: Path) -> tuple[dict, S
     if p.returncode != 0:
         raise RuntimeError(f"{kind} client failed (rc {p.returncode}): {err[-3000:]}")
     if kind != "locust":
+        pause = Path(str(out) + ".pause")
+        if pause.exists():  # the host's floor for the Locust path's loop-lag monitor
+            extra["loop_pause_ms"] = [float(pause.read_text())]
         return json.loads(out.read_text()), sampler, extra
     import pyarrow.parquet as pq
 
@@ -482,7 +505,8 @@ def main() -> None:
                                    for t, lg, n in m["spikes"]) or "none over 5 ms"
                     print(f"  largest lags, {kind}: {sp}")
                     if m.get("loop_pause_ms"):
-                        print(f"  {kind}: largest event-loop pause per stage (run.json): "
+                        src = "per stage (run.json)" if kind == "locust" else "(its own timer)"
+                        print(f"  {kind}: largest event-loop pause {src}: "
                               f"{m['loop_pause_ms']} ms")
             if a.mix_rss:
                 print("\nmemory of the default mix (10 users, 8 s):")

@@ -169,23 +169,23 @@ def main() -> None:
                     help="6 sweep rates from 11 to 14.5 req/s and 3 repeats (about 8 minutes)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed-base", type=int, default=1)
-    ap.add_argument("--sweep-lo", type=float, default=9.0, help="lowest sweep rate, req/s")
-    ap.add_argument("--sweep-hi", type=float, default=16.0, help="highest sweep rate, req/s")
-    ap.add_argument("--sweep-n", type=int, default=11, help="sweep rates (geometric)")
-    ap.add_argument("--stage-s", type=float, default=35.0,
+    ap.add_argument("--sweep-lo", type=float, default=25.0, help="lowest sweep rate, req/s")
+    ap.add_argument("--sweep-hi", type=float, default=37.0, help="highest sweep rate, req/s")
+    ap.add_argument("--sweep-n", type=int, default=9, help="sweep rates (geometric)")
+    ap.add_argument("--stage-s", type=float, default=50.0,
                     help="each sweep rate's judged load, s (after --warmup-s)")
     ap.add_argument("--warmup-s", type=float, default=5.0,
                     help="each sweep run's first seconds, left out of its attainment and load "
                          "(a new run's first seconds hold a startup stall of the host)")
     ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--time-scale", type=float, default=0.5)
+    ap.add_argument("--time-scale", type=float, default=0.2)
     ap.add_argument("--slowdown", type=float, default=1.0)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--ttft-ms", type=float, default=250.0)
-    ap.add_argument("--start-rps", type=float, default=3.0, help="the search's first probe")
-    ap.add_argument("--probe-s", type=float, default=6.0)
-    ap.add_argument("--max-probe-s", type=float, default=10.0)
+    ap.add_argument("--ttft-ms", type=float, default=100.0)
+    ap.add_argument("--start-rps", type=float, default=7.5, help="the search's first probe")
+    ap.add_argument("--probe-s", type=float, default=10.0)
+    ap.add_argument("--max-probe-s", type=float, default=14.0)
     ap.add_argument("--precision", type=float, default=0.05)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="the search's budget, s (default: a quarter of the sweep's "
@@ -198,7 +198,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         # the budget is a quarter of the sweep: fewer rates, nearer the capacity, as long each
-        a.sweep_lo, a.sweep_hi, a.sweep_n, a.stage_s = 11.0, 14.5, 6, 40.0
+        a.sweep_lo, a.sweep_hi, a.sweep_n, a.stage_s = 27.0, 35.0, 6, 50.0
         a.repeats = min(a.repeats, 3)
     rates = [float(f"{a.sweep_lo * (a.sweep_hi / a.sweep_lo) ** (i / max(1, a.sweep_n - 1)):.3g}")
              for i in range(a.sweep_n)]

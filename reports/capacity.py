@@ -12,8 +12,12 @@ upper bound misses it, and *straddles* otherwise (also when it has fewer than
 but too few to show the target at the confidence asked *passes thinly*: nothing it sent says
 it misses, nothing says it meets the target either; the search moves on and the report marks
 the capacity it supports as thin, with the requests it would take (``needed_for``).
-The probe passes when every class passes, fails when any class fails, and straddles
-otherwise. A request cancelled in a probe (a cut at saturation, or still unanswered when the
+Misses near capacity come in bursts (a queue that builds for seconds), so a probe's requests
+are not independent draws: the interval is computed on the class's *effective* number of
+requests (``effective_n``: its requests over the integrated autocorrelation time of the miss
+indicator in arrival order), without which a short probe that caught one burst, or none,
+looks conclusive. The probe passes when every class passes, fails when any class fails, and
+straddles otherwise. A request cancelled in a probe (a cut at saturation, or still unanswered when the
 search moved on) counts as a miss: it was not served within its SLO.
 """
 
@@ -46,6 +50,7 @@ class ClassVerdict:
     thin: bool = False  # passed with every request within SLO, too few to show the target
     missed: str | None = None  # the SLO missed most often: TTFT, TPOT, E2E or "errors"
     misses: dict = field(default_factory=dict)  # SLO kind -> requests that missed it
+    effective: float | None = None  # independent requests they are worth (None: all met)
 
 
 @dataclass
@@ -84,10 +89,38 @@ def misses_by_slo(sub: pd.DataFrame, slo: dict, cls: str) -> dict:
     return out
 
 
+def effective_n(flags: np.ndarray) -> float:
+    """How many independent requests ``flags`` (within SLO or not, in arrival order) are
+    worth: n / tau, tau the integrated autocorrelation time of the miss indicator (1 + twice
+    the sum of its autocorrelations, summed in pairs while the pairs stay positive: Geyer's
+    initial positive sequence). Misses spread at random give tau about 1; a burst of k misses
+    in a row gives about k. n itself when every request met its SLO or none did (no
+    variation to measure)."""
+    x = np.asarray(flags, np.float64)
+    n = len(x)
+    p = x.mean() if n else 0.0
+    if n < 4 or p in (0.0, 1.0):
+        return float(n)
+    d = x - p
+    m = 1 << int(np.ceil(np.log2(2 * n)))
+    f = np.fft.rfft(d, m)
+    acov = np.fft.irfft(f * np.conj(f), m)[:n] / n
+    rho = acov / acov[0]
+    tau = -1.0
+    for k in range(0, n - 1, 2):
+        pair = rho[k] + rho[k + 1]
+        if pair <= 0:
+            break
+        tau += 2.0 * pair
+    tau = min(max(tau, 1.0), float(n))
+    return n / tau
+
+
 def class_verdict(flags: np.ndarray, cls: str, *, target: float = TARGET,
                   confidence: float = CONFIDENCE, min_requests: int = 1,
                   rng: np.random.Generator | None = None) -> ClassVerdict:
-    """The verdict on one class from its per-request "within SLO" flags."""
+    """The verdict on one class from its per-request "within SLO" flags, in arrival order
+    (the interval is that of their ``effective_n``)."""
     flags = np.asarray(flags, bool)
     n = len(flags)
     if n == 0:
@@ -95,7 +128,8 @@ def class_verdict(flags: np.ndarray, cls: str, *, target: float = TARGET,
     rng = rng if rng is not None else np.random.default_rng(0)
     met = int(flags.sum())
     est = met / n
-    ci = resampling.proportion_interval(met, n, RESAMPLES, rng, confidence)
+    eff = effective_n(flags)
+    ci = resampling.proportion_interval(est * eff, eff, RESAMPLES, rng, confidence)
     thin = False
     if ci.high < target:
         verdict = "fail"
@@ -103,7 +137,8 @@ def class_verdict(flags: np.ndarray, cls: str, *, target: float = TARGET,
         verdict, thin = "pass", ci.low < target
     else:
         verdict = "straddle"
-    return ClassVerdict(cls, n, met, est, ci.low, ci.high, verdict, thin)
+    return ClassVerdict(cls, n, met, est, ci.low, ci.high, verdict, thin,
+                        effective=round(eff, 1) if 0 < met < n else None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,6 +172,8 @@ def probe_verdict(frame: pd.DataFrame, slo: dict, *, target: float = TARGET,
     ok, cancelled, slo_met, has_slo and the latency columns). Only classes with an SLO count."""
     rng = np.random.default_rng(seed)
     judged = frame[frame["has_slo"].to_numpy(bool)] if len(frame) else frame
+    if "t_scheduled" in judged.columns and len(judged):  # arrival order (effective_n)
+        judged = judged.sort_values("t_scheduled", kind="stable")
     classes = []
     for cls, sub in judged.groupby("request_class", observed=True, sort=True):
         if not len(sub):
@@ -178,20 +215,31 @@ def bounded_verdict(done: pd.DataFrame, pending: pd.DataFrame, slo: dict,
     return lo.verdict, (lo if lo.verdict == "pass" else hi)
 
 
-def saturated(pending: int, elapsed_s: float, rate_rps: float, e2e_ref_s: float | None,
+# How long a finished request can take to show in the records a search reads while it runs
+# (the record shards flush about every 0.5 s, the search reads them every 0.5 s)
+RECORD_LAG_S = 1.0
+
+
+def saturated(pending_ages_s, elapsed_s: float, rate_rps: float, e2e_ref_s: float | None,
               lateness_ms: float | None = None) -> str | None:
-    """Why a running probe is saturated (None: not saturated as far as can be told): the
-    requests in flight far above what Little's law allows at the probe's rate with the
-    response time of the last passing probe (the queue grows), or the load generator sending
-    late (it cannot keep up with the schedule)."""
+    """Why a running probe is saturated (None: not saturated as far as can be told): ten or
+    more of its requests still unanswered long after a steady state would have answered them
+    (four times the mean response time of the last passing probe, and at least a second, plus
+    the records' own lag), so the queue grows; or the load generator sending late (it cannot
+    keep up with the schedule). ``pending_ages_s``: how long ago each of the probe's requests
+    without a record was sent. (Counting every request without a record, as this first did,
+    took the records' lag for a queue: at 28 req/s a second of lag is 28 "in flight".)"""
+    import numpy as np
+
     if lateness_ms is not None and lateness_ms > 500:
         return f"the load generator sends {lateness_ms:.0f} ms late (median, last second)"
     if e2e_ref_s is None or elapsed_s < 2 * max(1.0, e2e_ref_s):
         return None
-    expected = rate_rps * e2e_ref_s
-    if pending >= max(10, 4 * expected):
-        return (f"{pending} requests in flight against about {expected:.0f} at a steady "
-                f"state: the queue grows")
+    stuck_after = RECORD_LAG_S + max(1.0, 4 * e2e_ref_s)
+    stuck = int((np.asarray(pending_ages_s, float) > stuck_after).sum())
+    if stuck >= 10:
+        return (f"{stuck} requests unanswered after {stuck_after:.1f} s (the last passing "
+                f"probe answered in {e2e_ref_s:.2f} s on average): the queue grows")
     return None
 
 
@@ -269,7 +317,7 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
             idx = [s["index"] for s in probes if s["rate_rps"] == cap]
             rows = sub[np.isin(sub["stage"], idx)]
             v = probe_verdict(rows, slo, **kw)
-            wall = sum(s.get("duration_s") or 0 for s in probes if s["rate_rps"] == cap)
+            wall = sum(_ran_s(s) for s in probes if s["rate_rps"] == cap)
             out_tok = float(np.nansum(rows.loc[rows["ok"], "completion_tokens"]))
             w = v.worst
             at = {"worst_class": w.request_class if w else None,
@@ -278,10 +326,22 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
                   "thin": thin_text(v.classes, kw.get("target", TARGET),
                                     kw.get("confidence", CONFIDENCE)),
                   "output_tps": out_tok / wall if wall > 0 else math.nan,
-                  "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum())))}
+                  "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum()))),
+                  # its pass is the pooled estimate's, the interval straddling the target
+                  "estimate": any(s["search"].get("estimate") for s in probes
+                                  if s["rate_rps"] == cap)}
         out.append(Capacity(ep, wl, cap, fail, status, len(probes),
-                            float(sum(s.get("duration_s") or 0 for s in probes)), breaks, at))
+                            float(sum(_ran_s(s) for s in probes)), breaks, at))
     return out
+
+
+def _ran_s(stage: dict) -> float:
+    """The seconds a probe really sent load: from its start to its end (a cut or an early
+    pass ends it before its planned ``duration_s``)."""
+    try:
+        return max(0.0, (int(stage["t_end_ns"]) - int(stage["t_start_ns"])) / 1e9)
+    except (KeyError, TypeError, ValueError):
+        return float(stage.get("duration_s") or 0)
 
 
 def per_gpu_and_cost(cap: Capacity, gpus: int | None, gpu_hour_cost: float | None) -> dict:

@@ -319,6 +319,8 @@ def build_capacity(d: ReportData) -> dict | None:
                            f"[{fmt(at.get('low'), 'fraction')}, "
                            f"{fmt(at.get('high'), 'fraction')}] ({at.get('worst_class')})"
                            + (f"; thin: {at['thin']}" if at.get("thin") else "")
+                           + ("; decided on its estimate: the interval still straddles the "
+                              "target after refinement" if at.get("estimate") else "")
                            if at else "–"),
             "breaks": (f"{br['class']}: {br['missed'] or '?'} "
                        f"({fmt(br['attainment'], 'fraction')} within SLO at "

@@ -11,14 +11,21 @@ written beside them and land in run.json's stage entries (``annotate``, called b
 The plan (``Planner``): ramp geometrically from ``start_rps`` by ``growth`` to the first
 failing probe (down from the start when it fails), then bisect the bracket geometrically until
 fail / pass - 1 is within ``precision``. A probe straddling the target is run again at the
-same rate (``refine`` times; its requests pooled, so the sample grows), and counts as failed
-after that: a capacity is only claimed where it was shown. When the bracket is narrow enough,
+same rate (``refine`` times; its requests pooled, so the sample grows). When the bracket is
+narrow enough,
 its lower end is probed again (``confirm``, pooled) unless two probes already judged it: one
 short probe can fall between two queue bursts and pass a rate the endpoint does not sustain;
-a confirmation that does not pass refutes the rate and the search goes on below it. The verdict is
-``reports.capacity.probe_verdict``; while a probe runs it is cut as soon as it is saturated
-(``reports.capacity.saturated``) or its verdict can no longer change; after its schedule,
-the search waits for its stragglers only as long as they could change the verdict
+a confirmation that fails refutes the rate and the search goes on below it. A rate still
+straddling after its refinements (or its confirmation) sits about where the attainment crosses
+the target: its pooled estimate decides, and the pass it gives is marked ``estimate`` (the
+report says the capacity was not shown at the confidence asked). Counting every such rate as
+failed, as this search first did, biased it low by about the width of one interval.
+
+The verdict is ``reports.capacity.probe_verdict``; while a probe runs it is cut as soon as it is saturated
+(``reports.capacity.saturated``), or when its failure can no longer change once half of it ran
+(a queue burst in its first seconds is one draw, not a verdict); a failed probe's stragglers
+are cancelled too, so that its backlog does not weigh on the next, lower probe; after its
+schedule, the search waits for its stragglers only as long as they could change the verdict
 (``settle_s`` at most), so long answers do not idle the endpoint.
 """
 
@@ -80,15 +87,23 @@ class ProbeFeed:
 
         current = {"index": None}
         cut_done: set = set()
+        ended: set = set()
 
         def watch():
             while True:
                 data = _read(self.path) or {}
-                i = current["index"]
-                if i is not None and i in data.get("cut", []) and i not in cut_done:
+                for i in data.get("end", []):  # its arrivals end, its requests finish
+                    if i not in ended and i == current["index"]:
+                        ended.add(i)
+                        dispatcher.end_stage()
+                for i in data.get("cut", []):
+                    if i in cut_done:
+                        continue
                     cut_done.add(i)
-                    dispatcher.end_stage()
-                    # its requests in flight (a saturated queue) go; earlier probes' stay
+                    if i == current["index"]:
+                        dispatcher.end_stage()
+                    # its requests in flight (a saturated queue, or a failed probe's backlog
+                    # that would weigh on the next one) go; other probes' stay
                     mine = [g for g in list(dispatcher.group or ())
                             if len(getattr(g, "args", ())) > 2 and g.args[2] == i]
                     gevent.killall(mine, block=False)
@@ -240,8 +255,11 @@ def _frames(run_dir: Path, job, index: int, slo: dict):
     sched = starts.column("t_scheduled").to_numpy(zero_copy_only=False).astype(np.int64)
     recent = sent >= (sent.max() - 1_000_000_000) if len(sent) else sent.astype(bool)
     lateness = float(np.median(sent[recent] - sched[recent]) / 1e6) if recent.any() else None
+    ages = ((time.time_ns() - pend.column("t_sent").to_numpy(zero_copy_only=False)
+             .astype(np.int64)) / 1e9) if pend.num_rows else np.empty(0)
     return done, pending, {"lateness_ms": lateness, "sent": len(sent),
-                           "first_ns": int(sched.min()) if len(sched) else None}
+                           "first_ns": int(sched.min()) if len(sched) else None,
+                           "pending_ages_s": ages}
 
 
 def _empty_like(frame):
@@ -253,31 +271,32 @@ class Watch:
     is known (None before). While its schedule runs it is cut when saturated or already failed;
     after it, its verdict waits for the stragglers only as long as they could change it."""
 
-    def __init__(self, run_dir: Path, job, probe: Probe, pooled: list[int], spec: dict,
+    def __init__(self, frames, slo: dict, probe: Probe, pooled: list[int], spec: dict,
                  t_start: float, e2e_ref_s: float | None) -> None:
-        self.run_dir, self.job, self.probe, self.spec = run_dir, job, probe, spec
+        self.frames, self.slo, self.probe, self.spec = frames, slo, probe, spec
         self.t_start = t_start
         self.end = t_start + probe.duration_s
         self.settle_end = self.end + spec["settle_s"]
         self.e2e_ref_s = e2e_ref_s
         self.kw = dict(target=spec["target"], confidence=spec["confidence"],
                        min_class_requests=spec["min_class_requests"], seed=probe.index)
-        self.old = [f for i in pooled for f in _frames(run_dir, job, i, job.slo)[:1]
-                    if f is not None]
+        self.old = [f for i in pooled for f in frames(i)[:1] if f is not None]
         self.cut = False
+        self.ended = False  # ended early on a shown pass (its requests in flight finish)
+        self.detail = None  # the last ProbeVerdict (the pessimistic one while requests run)
 
     def _why(self, v) -> str:
         return _why(v, self.spec["target"], self.spec["confidence"])
 
     def running(self, now: float) -> bool:
-        return now < self.end and not self.cut
+        return now < self.end and not self.cut and not self.ended
 
     def step(self, now: float) -> tuple[str | None, str]:
         import pandas as pd
 
         from kvbench.reports import capacity as C
 
-        done, pending, load = _frames(self.run_dir, self.job, self.probe.index, self.job.slo)
+        done, pending, load = self.frames(self.probe.index)
         frames = self.old + ([done] if done is not None else [])
         d = pd.concat(frames, ignore_index=True) if frames else None
         n_pend = 0 if pending is None else len(pending)
@@ -286,16 +305,29 @@ class Watch:
                 return "fail", "no request of the probe finished"
             return None, ""
         p = pending if pending is not None else d.iloc[0:0]
-        decided, v = C.bounded_verdict(d, p, self.job.slo, **self.kw)
+        decided, v = C.bounded_verdict(d, p, self.slo, **self.kw)
+        self.detail = v
         if now < self.end:
             elapsed = now - self.t_start
-            sat = (C.saturated(n_pend, elapsed, self.probe.rate_rps, self.e2e_ref_s,
+            sat = (C.saturated(load["pending_ages_s"], elapsed, self.probe.rate_rps,
+                               self.e2e_ref_s,
                                load["lateness_ms"])
                    or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
-            if sat or decided == "fail":
+            # a failure is cut once half the probe ran: a queue burst in its first second or
+            # two is all a shorter sample holds, and one burst is one draw, whatever the
+            # number of requests it spans (saturation is cut at once)
+            if sat or (decided == "fail" and elapsed >= self.probe.duration_s / 2):
                 self.cut = True
                 why = f"saturated: {sat}" if sat else self._why(v)
                 return "fail", f"cut after {now - self.t_start:.1f} s: {why}"
+            # a ramp probe that has shown its pass (not thinly) after half its length ends
+            # there: far below the capacity the rest would only spend the budget the bisection
+            # needs (its requests in flight finish)
+            if (decided == "pass" and self.probe.role == "ramp"
+                    and elapsed >= self.probe.duration_s / 2
+                    and not any(c.thin for c in v.classes)):
+                self.ended = True
+                return "pass", f"ended after {elapsed:.1f} s, shown: {self._why(v)}"
             return None, ""
         if decided is not None:
             return decided, self._why(v) + (f" ({n_pend} still running: the verdict holds "
@@ -323,45 +355,126 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+class LocustBackend:
+    """Where ``drive`` sends its probes in a real search: one Locust child for the whole
+    search, fed through the control file; a probe's requests are read back from the run
+    directory's record shards and start sidecars. (``bench/search_sim.py`` drives the same
+    state machine against the emulator in virtual time.)"""
+
+    def __init__(self, job, processes: int = 1) -> None:
+        from kvbench.runs import locust
+
+        self.job, self.slo = job, job.slo
+        self.run_dir = job.run_dir
+        self.ctl = control_path(self.run_dir, job.endpoint.name, job.workload)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        job_file = job.save(self.run_dir / job.file_name())
+        self.cmd, _ = locust.command(job, job_file, processes)
+        self.log_path = self.run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
+        self.child = None
+        self._logf = None
+
+    def publish(self, state: dict) -> None:
+        _write(self.ctl, state)
+
+    def launch(self) -> None:
+        env = {**os.environ, **self.job.secret_env(), **lifeline.child_env()}
+        self._logf = open(self.log_path, "w")
+        self.child = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT,
+                                      env=env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.child.poll() is None
+
+    def started(self, index: int) -> float | None:
+        return _wait_started(self.run_dir, self.job, index, self.child)
+
+    def frames(self, index: int):
+        return _frames(self.run_dir, self.job, index, self.slo)
+
+    def e2e_mean_s(self, index: int) -> float | None:
+        return _e2e_mean_s(self.run_dir, self.job, index)
+
+    now = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
+
+    def abort(self) -> None:
+        from kvbench.runs import locust
+
+        locust.stop(self.child)
+
+    def close(self) -> tuple[int, str | None]:
+        from kvbench.runs import locust
+
+        try:
+            rc = self.child.wait(max(60.0, self.job.drain_s + 30.0))
+        except subprocess.TimeoutExpired:
+            rc = locust.stop(self.child)
+        finally:
+            self._logf.close()
+            locust._scrub(self.log_path)
+        return rc, locust._error(self.log_path, rc, self.job)
+
+
 def run(job, processes: int = 1, say=_say) -> Result:
-    """Search ``job``'s endpoint x workload; every probe is a stage of one Locust child.
+    """Search ``job``'s endpoint x workload; every probe is a stage of one Locust child."""
+    backend = LocustBackend(job, processes)
+    planner, state = drive(backend, job.search, say)
+    rc, error = backend.close()
+    lo, hi = planner.bracket()
+    return Result(rc, error, backend.log_path, lo, hi, state["probes"])
+
+
+def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
+    """The search's state machine over ``backend`` (``LocustBackend``'s methods): the planner
+    and the control state (probes with their verdicts, cuts, notes) when it ends.
 
     Pipelined: when a probe's schedule ends before its verdict is known (answers still
     streaming), the next probe starts at once on the assumption that it passed; if it did not,
     that next probe is cut and marked void (no verdict), and the search goes on from the real
     verdict. One probe at most is speculative."""
-    from kvbench.runs import locust
-
-    spec = job.search
-    run_dir = job.run_dir
-    ctl = control_path(run_dir, job.endpoint.name, job.workload)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state = {"probes": [], "cut": [], "done": False, "notes": []}
-    _write(ctl, state)
-    job_file = job.save(run_dir / job.file_name())
-    cmd, limit = locust.command(job, job_file, processes)
-    log_path = run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
-    env = {**os.environ, **job.secret_env(), **lifeline.child_env()}
+    state = {"probes": [], "cut": [], "end": [], "done": False, "notes": []}
+    backend.publish(state)
     planner = Planner(spec)
-    t0 = time.monotonic()
+    t0 = backend.now()
     ref = {"e2e": None}
     entries: dict[int, dict] = {}
 
     def cut(i):
         state["cut"].append(i)
-        _write(ctl, state)
+        backend.publish(state)
 
     def settle(w: Watch, verdict: str, why: str) -> str:
         """Record ``w``'s verdict in the plan and the control file; the settled verdict."""
         planner.record(w.probe, verdict)
+        entry = entries[w.probe.index]
         if verdict == "straddle" and planner.verdict_at(w.probe.rate_rps) == "fail":
-            verdict = "fail"  # no capacity is claimed where it was not shown
-            why += ("; the confirmation did not pass" if w.probe.role == "confirm" else
-                    f"; still straddling after {spec['refine']} refinement(s)")
-        entries[w.probe.index].update(verdict=verdict, why=why)
-        _write(ctl, state)
+            worst = w.detail.worst if w.detail is not None else None
+            est = worst.attainment if worst is not None else math.nan
+            tried = ("the confirmation" if w.probe.role == "confirm" else
+                     f"{spec['refine']} refinement(s)")
+            if not est >= spec["target"]:
+                verdict = "fail"
+                why += (f"; still straddling after {tried}, its estimate {est:.3f} under "
+                        "the target: counted as failed")
+            else:
+                # as many requests as the search affords and still not conclusive: the rate
+                # sits about where the attainment crosses the target; its estimate decides,
+                # and the capacity it supports is marked as not shown at the confidence
+                verdict = "pass"
+                why += (f"; still straddling after {tried}: its "
+                        f"estimate {est:.3f} meets the target, not shown at "
+                        f"{spec['confidence']:.0%} confidence")
+                entry["estimate"] = True
+            planner.history[-1] = (w.probe, verdict)
+        entry.update(verdict=verdict, why=why)
+        if verdict == "fail" and w.probe.index not in state["cut"]:
+            # its stragglers (a queue built above capacity) would weigh on the next probe,
+            # which runs lower: they go, as misses (the verdict is settled already)
+            state["cut"].append(w.probe.index)
+        backend.publish(state)
         if verdict == "pass":
-            ref["e2e"] = _e2e_mean_s(run_dir, job, w.probe.index) or ref["e2e"]
+            ref["e2e"] = backend.e2e_mean_s(w.probe.index) or ref["e2e"]
         p = w.probe
         say(f"    probe {p.index + 1} ({p.role}) {p.rate_rps:g} req/s, {p.duration_s:g} s: "
             f"{verdict.upper()}: {why}")
@@ -372,12 +485,12 @@ def run(job, processes: int = 1, say=_say) -> Result:
                  "duration_s": probe.duration_s, "role": probe.role}
         entries[probe.index] = entry
         state["probes"].append(entry)
-        _write(ctl, state)
-        t_start = _wait_started(run_dir, job, probe.index, child)
+        backend.publish(state)
+        t_start = backend.started(probe.index)
         if t_start is None:
             return None
         pooled = [q.index for q, _ in planner.history if q.rate_rps == probe.rate_rps]
-        return Watch(run_dir, job, probe, pooled, spec, t_start, ref["e2e"])
+        return Watch(backend.frames, backend.slo, probe, pooled, spec, t_start, ref["e2e"])
 
     def plan(after: Watch | None = None) -> Probe | None:
         """The next probe (assuming ``after`` passes, if given), within the budget."""
@@ -390,82 +503,77 @@ def run(job, processes: int = 1, say=_say) -> Result:
         if probe is None:
             return None
         probe = replace(probe, index=len(state["probes"]))
-        spent = time.monotonic() - t0
+        spent = backend.now() - t0
         if spent + probe.duration_s > spec["budget_s"]:
             if not state["notes"]:
                 state["notes"].append({"stop": "budget", "after_s": round(spent, 1)})
             return None
         return probe
 
-    with open(log_path, "w") as logf:
-        child = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
-        try:
-            probe = plan()
-            current = start(probe) if probe else None
-            behind: Watch | None = None  # a probe whose stragglers are still being judged
-            while current is not None or behind is not None:
-                time.sleep(POLL_S)
-                if child.poll() is not None:
-                    break
-                now = time.monotonic()
-                if behind is not None:
-                    v, why = behind.step(now)
-                    if v is not None:
-                        behind_index = behind.probe.index
-                        v = settle(behind, v, why)
-                        behind = None
-                        if v != "pass" and current is not None:  # the guess was wrong
-                            cut(current.probe.index)
-                            entries[current.probe.index].update(
-                                verdict=None, role=current.probe.role + " (void)",
-                                why=f"started assuming probe {behind_index + 1} passed")
-                            _write(ctl, state)
-                            planner_probe = plan()
-                            current = start(planner_probe) if planner_probe else None
-                            continue
-                        if current is None:  # nothing speculative ran: plan from the verdict
-                            nxt = plan()
-                            current = start(nxt) if nxt else None
-                            continue
-                if current is None:
-                    continue
-                was_running = current.running(now)
-                v, why = current.step(now)
-                if was_running:
-                    if v is not None:  # cut: saturated or failed already
+    backend.launch()
+    try:
+        probe = plan()
+        current = start(probe) if probe else None
+        behind: Watch | None = None  # a probe whose stragglers are still being judged
+        while current is not None or behind is not None:
+            backend.sleep(POLL_S)
+            if not backend.alive():
+                break
+            now = backend.now()
+            if behind is not None:
+                v, why = behind.step(now)
+                if v is not None:
+                    behind_index = behind.probe.index
+                    v = settle(behind, v, why)
+                    behind = None
+                    if v != "pass" and current is not None:  # the guess was wrong
                         cut(current.probe.index)
-                        settle(current, v, why)
-                        current = None
-                    else:
+                        entries[current.probe.index].update(
+                            verdict=None, role=current.probe.role + " (void)",
+                            why=f"started assuming probe {behind_index + 1} passed")
+                        backend.publish(state)
+                        planner_probe = plan()
+                        current = start(planner_probe) if planner_probe else None
                         continue
-                elif v is not None:
+                    if current is None:  # nothing speculative ran: plan from the verdict
+                        nxt = plan()
+                        current = start(nxt) if nxt else None
+                        continue
+            if current is None:
+                continue
+            was_running = current.running(now)
+            v, why = current.step(now)
+            if was_running:
+                if v is not None:  # cut (saturated or failed already) or ended (passed)
+                    if current.ended:
+                        state["end"].append(current.probe.index)
+                        backend.publish(state)
+                    else:
+                        cut(current.probe.index)
                     settle(current, v, why)
                     current = None
-                elif behind is None:  # schedule over, verdict pending: speculate
-                    behind, current = current, None
                 else:
                     continue
-                if current is None and behind is None:
-                    nxt = plan()
-                    current = start(nxt) if nxt else None
-                elif current is None and behind is not None:
-                    nxt = plan(after=behind)
-                    current = start(nxt) if nxt else None
-        except BaseException:
-            locust.stop(child)
-            raise
-        finally:
-            state["done"] = True
-            _write(ctl, state)
-        try:
-            rc = child.wait(max(60.0, job.drain_s + 30.0))
-        except subprocess.TimeoutExpired:
-            rc = locust.stop(child)
-        finally:
-            locust._scrub(log_path)
-    lo, hi = planner.bracket()
-    return Result(rc, locust._error(log_path, rc, job), log_path, lo, hi, state["probes"])
+            elif v is not None:
+                settle(current, v, why)
+                current = None
+            elif behind is None:  # schedule over, verdict pending: speculate
+                behind, current = current, None
+            else:
+                continue
+            if current is None and behind is None:
+                nxt = plan()
+                current = start(nxt) if nxt else None
+            elif current is None and behind is not None:
+                nxt = plan(after=behind)
+                current = start(nxt) if nxt else None
+    except BaseException:
+        backend.abort()
+        raise
+    finally:
+        state["done"] = True
+        backend.publish(state)
+    return planner, state
 
 
 def _wait_started(run_dir: Path, job, index: int, child, wait_s: float = 120.0):
@@ -510,6 +618,8 @@ def annotate(run_dir: Path | str, stages: list[dict]) -> list[dict]:
         probes = data.get("probes", [])
         for k, p in enumerate(probes):
             note = {"role": p.get("role"), "verdict": p.get("verdict"), "why": p.get("why")}
+            if p.get("estimate"):
+                note["estimate"] = True
             if stop and k == len(probes) - 1:
                 note["stop"] = stop
             notes[(path.name, p.get("index"))] = note
