@@ -27,7 +27,12 @@ class EmulatorServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> "EmulatorServer":
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that goes away cancels its handler, so a request
+        # still queued leaves the queue at once, as vLLM and SGLang abort a disconnected
+        # request; without it a queued request was noticed only when its first token failed
+        # to write, so a cut probe's backlog was prefilled anyway and weighed on the next
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
         await site.start()

@@ -282,6 +282,38 @@ def test_client_disconnect_frees_the_sequence():
     assert with_server("colocated", fn, time_scale=0.01)
 
 
+def test_queued_request_whose_client_left_leaves_the_queue():
+    """A request still waiting for a slot is dropped when its client disconnects, as vLLM
+    aborts it, instead of being prefilled later for nobody (a cut probe's backlog)."""
+    async def fn(srv, s):
+        eng = srv.cluster.engines[0]
+        hold = asyncio.create_task(request(s, srv.url, {"prompt": "a b c", "max_tokens": 400}))
+        for _ in range(500):
+            if eng.num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(request(s, srv.url, {"prompt": "d e f", "max_tokens": 5,
+                                                          "stream": True}))
+        for _ in range(500):
+            if eng.num_waiting == 1:
+                break
+            await asyncio.sleep(0.01)
+        waited = eng.num_waiting
+        queued.cancel()  # the client goes away: its connection closes
+        for _ in range(500):
+            if eng.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        left = eng.num_waiting, eng.num_running, hold.done()
+        await hold
+        return waited, left
+
+    waited, (waiting, running, hold_done) = with_server(
+        "colocated", fn, max_num_seqs=1, replicas=1, time_scale=0.2)
+    assert waited == 1
+    assert (waiting, running, hold_done) == (0, 1, False)  # gone while the slot was still busy
+
+
 def test_kvbench_serve_prints_listening_line_and_stops_on_sigterm():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvbench", "serve", "--topology", "routed",
