@@ -322,6 +322,8 @@ def run_client(kind: str, url: str, a, streams: int, tmp: Path) -> tuple[dict, S
                 for r in t if r["status"] == "ok"}
     meta = json.loads((run / "run.json").read_text())
     extra["loop_pause_ms"] = [s.get("loop_pause_max_ms") for s in meta.get("stages", [])]
+    extra["loop_pause_offcpu_ms"] = [s.get("loop_pause_max_offcpu_ms")
+                                     for s in meta.get("stages", [])]
     return arrivals, sampler, extra
 
 
@@ -506,8 +508,11 @@ def main() -> None:
                     print(f"  largest lags, {kind}: {sp}")
                     if m.get("loop_pause_ms"):
                         src = "per stage (run.json)" if kind == "locust" else "(its own timer)"
+                        off = m.get("loop_pause_offcpu_ms")
                         print(f"  {kind}: largest event-loop pause {src}: "
-                              f"{m['loop_pause_ms']} ms")
+                              f"{m['loop_pause_ms']} ms"
+                              + (f", of which the process was not running {off} ms"
+                                 if off else ""))
             if a.mix_rss:
                 print("\nmemory of the default mix (10 users, 8 s):")
                 (tmp / "plain_locustfile.py").write_text(PLAIN_LOCUSTFILE)

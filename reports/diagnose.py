@@ -568,14 +568,17 @@ def overloaded(d: ReportData) -> list[Finding]:
     return out
 
 
-def _largest_pause(stages: list[dict], endpoint: str) -> tuple[float, str] | None:
-    """The largest recorded loop pause of ``endpoint``'s stages, with where it was."""
+def _largest_pause(stages: list[dict], endpoint: str) -> tuple[float, str, float | None] | None:
+    """The largest recorded loop pause of ``endpoint``'s stages, where it was, and how much of
+    it the load process was not running (None: not measured)."""
     best = None
     for s in stages:
         ms = s.get("loop_pause_max_ms")
         if str(s.get("endpoint")) == endpoint and ms is not None and (
                 best is None or float(ms) > best[0]):
-            best = (float(ms), f"{s.get('workload')} stage {s.get('index')}")
+            off = s.get("loop_pause_max_offcpu_ms")
+            best = (float(ms), f"{s.get('workload')} stage {s.get('index')}",
+                    None if off is None else float(off))
     return best
 
 
@@ -615,7 +618,9 @@ def loadgen_saturated(d: ReportData) -> list[Finding]:
                                                                and str(ep) not in overloaded_eps):
             ev.append((f"largest event-loop pause of the load process ({pause[1]})",
                        _fmt(pause[0], "ms") + ": every stream in flight was read that late "
-                       "together, so per-chunk times (ITL, TPOT) of that stage carry it"))
+                       "together, so per-chunk times (ITL, TPOT) of that stage carry it"
+                       + (f"; the process was not running for {pause[2]:.1f} ms of it (the "
+                          "host gave its core to something else)" if pause[2] else "")))
         ok = sub[sub["ok"]]
         server = (ok["server_queue_ms"] + ok["server_prefill_ms"]
                   + ok["server_kv_transfer_ms"].fillna(0) + ok["server_first_decode_ms"])

@@ -515,7 +515,13 @@ def loop_pause_text(stage: dict) -> str:
     if ms is None:
         return "–"  # not measured (a run recorded before kvbench measured it)
     n = stage.get("loop_pauses_over_5ms") or 0
-    return f"{float(ms):.1f} ms" + (f" ({int(n)} over 5 ms)" if n else "")
+    off = stage.get("loop_pause_max_offcpu_ms")
+    parts = []
+    if off is not None and float(off) >= 0.5:  # the host's share: the process was not running
+        parts.append(f"{float(off):.1f} off-CPU")
+    if n:
+        parts.append(f"{int(n)} over 5 ms")
+    return f"{float(ms):.1f} ms" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:

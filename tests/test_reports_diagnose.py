@@ -362,6 +362,17 @@ def test_loop_pause_is_shown_beside_lateness_and_blamed_on_the_load_process(tmp_
     assert stage["rows"][0]["keys"][col] == "42.5 ms (2 over 5 ms)"
     assert "client lateness p99" in stage["metrics"]
 
+    # the part of the pause the host did not run the process is told apart
+    host = [dict(s, loop_pause_max_ms=3.1 if i else 30.0,
+                 loop_pause_max_offcpu_ms=0.1 if i else 24.0) for i, s in enumerate(stages)]
+    write_run(tmp_path / "host", table, run_meta(shape, host))
+    d = load([tmp_path / "host"])
+    ev = dict(rules(d, "loadgen_saturated")[0].evidence)
+    key = next(k for k in ev if k.startswith("largest event-loop pause"))
+    assert "not running for 24.0 ms" in ev[key]
+    stage = build_context(d)["by_stage"]
+    assert stage["rows"][0]["keys"][col] == "30.0 ms (24.0 off-CPU; 2 over 5 ms)"
+
     # below 10 ms, or not measured (an older run): no finding
     calm = [dict(s, loop_pause_max_ms=4.0) for s in synth_table(shape)[1]]
     write_run(tmp_path / "calm", table, run_meta(shape, calm))

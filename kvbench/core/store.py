@@ -237,6 +237,7 @@ def _run_json_models():
         # processes), and how many pauses were over 5 ms (summed): client lateness per request
         # cannot show a stall that made every stream late together
         loop_pause_max_ms: Optional[Num] = None
+        loop_pause_max_offcpu_ms: Optional[Num] = None  # of it, the process not running
         loop_pauses_over_5ms: Optional[Count] = None
         search: Optional[SearchNote] = None  # a capacity search's probe
 

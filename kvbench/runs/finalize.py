@@ -179,10 +179,16 @@ def merge_proc_meta(metas: list[dict]) -> dict:
             else:
                 cur["t_start_ns"] = min(cur["t_start_ns"], st["t_start_ns"])
                 cur["t_end_ns"] = max(cur["t_end_ns"], st["t_end_ns"])
-                for k, fold in (("loop_pause_max_ms", max), ("loop_pauses_over_5ms", sum)):
-                    got = [v for v in (cur.get(k), st.get(k)) if v is not None]
-                    if got:
-                        cur[k] = fold(got)
+                # the largest pause of the stage's processes, with its own off-CPU part
+                mine, theirs = cur.get("loop_pause_max_ms"), st.get("loop_pause_max_ms")
+                if theirs is not None and (mine is None or theirs > mine):
+                    cur["loop_pause_max_ms"] = theirs
+                    if "loop_pause_max_offcpu_ms" in st:
+                        cur["loop_pause_max_offcpu_ms"] = st["loop_pause_max_offcpu_ms"]
+                got = [v for v in (cur.get("loop_pauses_over_5ms"),
+                                   st.get("loop_pauses_over_5ms")) if v is not None]
+                if got:
+                    cur["loop_pauses_over_5ms"] = sum(got)
         for item in m.get("incomplete", []):
             if item not in incomplete:
                 incomplete.append(item)
