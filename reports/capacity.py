@@ -306,8 +306,19 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
         breaks = None
         if fail is not None:
             idx = [s["index"] for s in probes if s["rate_rps"] == fail]
-            v = probe_verdict(sub[np.isin(sub["stage"], idx)], slo, **kw)
+            rows = sub[np.isin(sub["stage"], idx)]
+            v = probe_verdict(rows, slo, **kw)
             w = next((c for c in v.classes if c.verdict == "fail"), v.worst)
+            # the class that broke is the one whose answered requests missed: a failed
+            # probe's stragglers are cut once its verdict is settled, and counting them would
+            # name the class with the longest answers ("errors or cut") instead (the default
+            # bake-off named longctx where chat's TTFT had failed the probe)
+            done = rows[~rows["cancelled"].to_numpy(bool)] if "cancelled" in rows else rows
+            if len(done) and len(done) < len(rows):
+                vd = probe_verdict(done, slo, **kw)
+                wd = next((c for c in vd.classes if c.verdict != "pass"), None)
+                if wd is not None and wd.missed not in (None, "errors or cut"):
+                    w = wd
             if w is not None:
                 breaks = {"class": w.request_class, "missed": w.missed,
                           "attainment": w.attainment, "low": w.low, "high": w.high,

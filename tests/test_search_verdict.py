@@ -301,6 +301,24 @@ def test_summarise_reads_bracket_and_breaking_class_from_stages():
     assert math.isclose(per["usd_per_mtok"], 6 / (800 * 3600) * 1e6)
 
 
+def test_the_class_that_broke_is_the_one_whose_answers_missed_not_the_cut_stragglers():
+    """A failed probe's stragglers are cut once its verdict is settled: the long answers of
+    one class then look like its misses, but the probe failed on another class's TTFT."""
+    rows_pass = [("chat", 30, 20, "ok")] * 40 + [("rag", 100, 20, "ok")] * 40
+    rows_fail = ([("chat", 30, 20, "ok")] * 32 + [("chat", 900, 20, "ok")] * 8
+                 + [("rag", 100, 20, "ok")] * 28 + [("rag", float("nan"), float("nan"),
+                                                    "cancelled")] * 12)
+    f = pd.concat([frame(rows_pass).assign(stage=0), frame(rows_fail).assign(stage=1)],
+                  ignore_index=True)
+    f["endpoint"], f["workload"] = "ep", "mix"
+    f["completion_tokens"] = 100.0
+    stages = [{"endpoint": "ep", "workload": "mix", "index": i, "rate_rps": r,
+               "duration_s": 10.0, "search": {"role": "ramp", "verdict": v}}
+              for i, (r, v) in enumerate([(4.0, "pass"), (8.0, "fail")])]
+    (cap,) = C.summarise(stages, f, SLO)
+    assert cap.breaks["class"] == "chat" and cap.breaks["missed"] == "TTFT"
+
+
 def test_default_config_is_the_capacity_bake_off():
     cfg = load_config(ROOT / "bench.toml")
     prof = cfg.profiles[cfg.suite.profile]
