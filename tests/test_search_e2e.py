@@ -43,7 +43,7 @@ output_tokens = {{ dist = "constant", mean = 32 }}
 
 [profiles.search]
 pacing = "search"
-search = {{ start_rps = 3.0, growth = 4.0, probe_s = 3, min_requests = 12, max_probe_s = 5, min_class_requests = 5, refine = 1, precision = 0.25, budget_s = {BUDGET_S}, settle_s = 3 }}
+search = {{ start_rps = 3.0, growth = 4.0, probe_s = 4, min_requests = 12, max_probe_s = 5, min_class_requests = 5, refine = 1, precision = 0.25, budget_s = {BUDGET_S}, settle_s = 3 }}
 drain_s = 2
 
 [profiles.ladder]
