@@ -287,7 +287,9 @@ def test_queued_request_whose_client_left_leaves_the_queue():
     aborts it, instead of being prefilled later for nobody (a cut probe's backlog)."""
     async def fn(srv, s):
         eng = srv.cluster.engines[0]
-        hold = asyncio.create_task(request(s, srv.url, {"prompt": "a b c", "max_tokens": 400}))
+        # a long answer holds the only slot for far longer than the test waits
+        hold = asyncio.create_task(request(s, srv.url, {"prompt": "a b c",
+                                                        "max_tokens": 20_000}))
         for _ in range(500):
             if eng.num_running == 1:
                 break
@@ -305,7 +307,7 @@ def test_queued_request_whose_client_left_leaves_the_queue():
                 break
             await asyncio.sleep(0.01)
         left = eng.num_waiting, eng.num_running, hold.done()
-        await hold
+        hold.cancel()
         return waited, left
 
     waited, (waiting, running, hold_done) = with_server(

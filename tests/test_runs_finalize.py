@@ -175,3 +175,23 @@ def test_recover_refuses_a_run_still_going(tmp_path):
         else:
             raise AssertionError("recovered a live run")
         assert not (run_dir / "run.json").exists()
+
+
+def test_merged_stage_keeps_the_largest_pause_with_its_own_off_cpu_part():
+    """Two load processes ran one stage: the stage's pause is the larger one, with that
+    pause's off-CPU split (not the other process's); an older process without the split
+    leaves it unknown rather than borrowed."""
+    def meta(pause, off=None, over=1):
+        st = {"endpoint": "e1", "workload": "chat", "index": 0, "t_start_ns": 1,
+              "t_end_ns": 2, "loop_pause_max_ms": pause, "loop_pauses_over_5ms": over}
+        if off is not None:
+            st["loop_pause_max_offcpu_ms"] = off
+        return {"counts": {}, "stages": [st]}
+
+    (st,) = F.merge_proc_meta([meta(12.0, 1.0), meta(30.0, 25.0, 2)])["stages"]
+    assert (st["loop_pause_max_ms"], st["loop_pause_max_offcpu_ms"]) == (30.0, 25.0)
+    assert st["loop_pauses_over_5ms"] == 3
+    (st,) = F.merge_proc_meta([meta(30.0, 25.0), meta(12.0, 1.0)])["stages"]
+    assert (st["loop_pause_max_ms"], st["loop_pause_max_offcpu_ms"]) == (30.0, 25.0)
+    (st,) = F.merge_proc_meta([meta(12.0, 1.0), meta(30.0)])["stages"]
+    assert st["loop_pause_max_ms"] == 30.0 and "loop_pause_max_offcpu_ms" not in st

@@ -185,6 +185,8 @@ def merge_proc_meta(metas: list[dict]) -> dict:
                     cur["loop_pause_max_ms"] = theirs
                     if "loop_pause_max_offcpu_ms" in st:
                         cur["loop_pause_max_offcpu_ms"] = st["loop_pause_max_offcpu_ms"]
+                    else:  # an older process's: the other pause's split is not this one's
+                        cur.pop("loop_pause_max_offcpu_ms", None)
                 got = [v for v in (cur.get("loop_pauses_over_5ms"),
                                    st.get("loop_pauses_over_5ms")) if v is not None]
                 if got:
