@@ -164,6 +164,7 @@ def on_test_start(environment, **kw) -> None:
         environment.kvbench_started_ns = time.time_ns()
     ctx = getattr(environment, "kvbench", None)
     if ctx is not None:
+        ctx.prewarm()  # closed loop: every user's connection, before the stage's clock
         ctx.looplag.reset()  # the stage's pauses are the load's, not Locust's start-up
     if ctx is not None and ctx.pacing == "closed" and ctx.stopping.is_set():
         ctx.stopping.clear()  # a test started again (web UI): its users may send again

@@ -38,7 +38,7 @@ class KVBenchUser(User):
         self.stage = self.ctx.stage_index
         if self.ctx.pacing == "closed":
             self.llm = self.ctx.new_client()
-            if self.ctx.warm:
+            if self.ctx.warm and not self.ctx.adopt_warm(self.llm.pool):
                 self.llm.pool.warm(1)
 
     @task

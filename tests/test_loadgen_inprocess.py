@@ -3,6 +3,7 @@ a local runner against the logging test server, no Locust subprocess. The contex
 environment (``environment.kvbench``), so two environments never share one."""
 
 import os
+from dataclasses import replace
 
 # Locust patches the whole process with gevent at import; the client uses gevent sockets
 # itself, so the test process stays unpatched (the variable must not reach later subprocesses).
@@ -165,3 +166,96 @@ stages = [ {{ rate_rps = 4.0, duration_s = 2 }} ]
     built = [(r.request_id, r.prompt) for r in job.build_workload().requests()]
     assert built == [(r.request_id, r.prompt)
                      for r in make_workload("chat", load_config(cfg)).requests()]
+
+
+def _established_to(url: str) -> int:
+    """This process's TCP connections to the server at ``url`` (ESTABLISHED)."""
+    import psutil  # Locust's own dependency
+
+    port = int(url.rsplit(":", 1)[1])
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_closed_loop_connections_open_before_the_first_user_starts(server, tmp_path):
+    """Every user's keep-alive connection is opened at the test's start, before the stage's
+    loop-lag clock: with a slow ramp (one user a second) all four are up while at most one
+    user runs, and each user sends on one of them (no request pays a connection)."""
+    users = 4
+    job = job_for(tmp_path, server, "chat", "closed")
+    job = replace(job, stages=[JobStage(index=0, duration_s=1.0, users=users)])
+    env = environment(job.save(tmp_path / "job.json"), server)
+    before = _established_to(server)
+    env.runner.start(users, spawn_rate=1)
+    gevent.sleep(0.2)
+    assert env.runner.user_count <= 1
+    assert _established_to(server) - before >= users
+    gevent.sleep(3.5)  # the ramp completes
+    quit_and_finalize(env)
+    res = load_results(job.run_dir)
+    assert res.requests.num_rows > 0
+    assert set(res.requests.column("connect_ns").to_pylist()) == {0}
+
+
+def test_answers_ending_together_do_not_stall_the_loop_in_one_pass(server, tmp_path,
+                                                                   monkeypatch):
+    """256 answers whose last bytes arrive at the same instant (sockets readable in one poll),
+    each with 0.1 ms of bookkeeping after it (Locust's events, the next request): run in the
+    one pass of the loop that read them, that is 25.6 ms of the process's own CPU with every
+    other stream and timer waiting. kvbench yields to the loop after each answer's record,
+    so the rest runs in slices with the loop's timers between them. Asserted on the own-CPU
+    part of the largest pause, which a busy host cannot inflate (rounds after the first: the
+    loop's poll array grows to hold all 256 sockets)."""
+    import itertools
+    import time
+
+    from kvbench.loadgen.looplag import LoopLag
+
+    job = job_for(tmp_path, server, "chat", "closed")
+    env = environment(job.save(tmp_path / "job.json"), server)
+    ctx = env.kvbench
+    n, rounds = 256, 4
+    pairs = [gevent.socket.socketpair() for _ in range(n)]
+
+    class Answered:
+        def __init__(self, sock):
+            self.sock = sock
+
+        def post_stream(self, path, body, *, keep_text, res, request_id):
+            self.sock.recv(1)  # the answer's last bytes
+            res.status, res.t_sent_ns, res.e2e_ns, res.ttft_ns = "ok", time.time_ns(), 1, 1
+
+    def bookkeeping(req, res):
+        t0 = time.process_time_ns()
+        while time.process_time_ns() - t0 < 100_000:
+            pass
+
+    monkeypatch.setattr(ctx, "report", bookkeeping)
+    reqs = itertools.cycle(list(ctx.workload.requests()))
+
+    def stream(sock):
+        client = Answered(sock)
+        for _ in range(rounds):
+            ctx.send(client, next(reqs), None, 0)
+
+    greenlets = [gevent.spawn(stream, b) for _, b in pairs]
+    lag = LoopLag().start()
+    own = []
+    try:
+        for _ in range(rounds):
+            gevent.sleep(0.1)  # every stream waiting for its answer
+            lag.reset()
+            for a, _ in pairs:
+                a.sendall(b"x")  # every answer ends now
+            gevent.sleep(0.1)  # the firing after the last slice measures it
+            out = lag.take()
+            own.append(out["loop_pause_max_ms"] - out["loop_pause_max_offcpu_ms"])
+        gevent.joinall(greenlets, timeout=10)
+    finally:
+        lag.stop()
+        for a, b in pairs:
+            a.close()
+            b.close()
+    assert all(g.successful() for g in greenlets)
+    assert max(own[1:]) < 15, own  # one pass: >= 25.6 ms; slices: about 5 ms
+    quit_and_finalize(env)
