@@ -153,8 +153,12 @@ class SimBackend:
                 **lat, "slo_met": ok & within(lat, self.slo["chat"])})
 
         now = self.loop.time()
+        t0 = self.t_start[index]
         load = {"lateness_ms": 0.0, "sent": len(rows), "first_ns": None,
-                "pending_ages_s": np.array([now - r["t"] for r in pend])}
+                "pending_ages_s": np.array([now - r["t"] for r in pend]),
+                "sent_s": np.array([r["t"] for r in rows], float) - t0,
+                "done_s": np.array([r.get("t_done", np.nan) for r in rows], float) - t0,
+                "now_s": now - t0}
         return frame(done), frame(pend, True), load
 
     def e2e_mean_s(self, index: int) -> float | None:
@@ -196,6 +200,7 @@ class SimBackend:
             row["ttft_ms"] = (seq.t_first - t) * 1e3 if seq.t_first is not None else None
             await wait(seq, lambda: seq.finished)
             row["e2e_ms"] = (self.loop.time() - t) * 1e3
+            row["t_done"] = self.loop.time()
             if row["ttft_ms"] is not None and self.output > 1:
                 row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (self.output - 1)
             row["ok"] = seq.error is None

@@ -243,6 +243,52 @@ def saturated(pending_ages_s, elapsed_s: float, rate_rps: float, e2e_ref_s: floa
     return None
 
 
+def in_flight_at(sent_s, done_s, t_s: float) -> int:
+    """A probe's requests in flight at ``t_s`` (seconds from its start): sent by then and not
+    finished by then (``done_s``: each request's finish, NaN while it runs)."""
+    import numpy as np
+
+    sent = np.asarray(sent_s, float)
+    done = np.asarray(done_s, float)
+    return int((sent <= t_s).sum() - (done <= t_s).sum())
+
+
+def not_steady(sent_s, done_s, now_s: float, end_s: float, residence_s: float | None
+               ) -> str | None:
+    """Why a probe has not reached a steady state (None: it has, or it cannot be told yet):
+    its requests in flight kept growing over the second half of the time it ran, beyond
+    what Poisson arrivals explain. Below capacity the number in flight settles at rate x
+    mean response time (Little's law) within a few response times; above it, it grows by
+    the shortfall every second. An endpoint with room to admit (KV memory, a batch of 256)
+    keeps its first tokens fast for tens of seconds while that backlog builds: a short
+    probe's latencies pass a rate it cannot sustain (the default bake-off's offloaded
+    endpoint passed 25 req/s in 6 s where 16 req/s fails after 20 s of load).
+
+    Judged from 1.5 residence times on (``residence_s``: the mean response time, the fill-up
+    before it), over the latest time the records show (``now_s`` less their lag, at most
+    ``end_s``, the schedule's end, after which arrivals stop): the count at the middle of that
+    span against the count at its end."""
+    import math
+
+    if residence_s is None or not math.isfinite(residence_s):
+        return None
+    t1 = min(now_s - RECORD_LAG_S, end_s)
+    t0 = t1 / 2
+    if t0 < 1.5 * residence_s or t1 - t0 < 1.0:
+        return None
+    n0, n1 = in_flight_at(sent_s, done_s, t0), in_flight_at(sent_s, done_s, t1)
+    rate = in_flight_at(sent_s, [], t1) / max(t1, 1e-9)
+    level = rate * residence_s  # Little's law: the steady number in flight
+    # the count at a time is about Poisson(level) in a steady state: two of them differ by
+    # more than 3 sd (of the difference) and a fifth of the level only when it grows
+    allowed = 3 * math.sqrt(2 * max(level, 1.0)) + 0.2 * level
+    if n1 - n0 > allowed:
+        return (f"in flight grew from {n0} to {n1} between {t0:.1f} s and {t1:.1f} s (steady: "
+                f"about {level:.0f}, rate x mean response time {residence_s:.1f} s): "
+                "the endpoint falls behind")
+    return None
+
+
 def short_of_offered(sent: int, elapsed_s: float, rate_rps: float) -> str | None:
     """Why the load generator is not offering the probe's rate (None: it is): it sent
     clearly fewer requests than the rate asks for (``overload.verdict``'s test: dropped at

@@ -338,7 +338,8 @@ def build_capacity(d: ReportData) -> dict | None:
     probes = [{"endpoint": s.get("endpoint"), "workload": s.get("workload"),
                "stage": s.get("index"), "rate": fmt(s.get("rate_rps")),
                "duration": fmt(s.get("duration_s")), "role": s["search"].get("role"),
-               "verdict": s["search"].get("verdict") or "void",
+               "verdict": s["search"].get("verdict") or (
+                   "not judged" if s["search"].get("role") == "warmup" else "void"),
                "why": s["search"].get("why") or ""}
               for s in d.stages if s.get("search")]
     return {"rows": rows, "by_gpu": by_gpu, "by_usd": by_usd, "probes": probes}

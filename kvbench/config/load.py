@@ -50,6 +50,9 @@ class SearchSpec(Strict):
     max_rps: float = Field(default=10_000.0, gt=0, le=1e6)
     min_rps: float = Field(default=0.05, gt=0, le=1e6)
     settle_s: float = Field(default=30.0, ge=0, le=3600)  # most to wait for a probe's stragglers
+    # Load at start_rps for this long before the first judged probe (a stage of role
+    # "warmup", never judged): caches, batches and queues reach the state the probes measure
+    warmup_s: float = Field(default=0.0, ge=0, le=3600)
 
 
 class LoadProfile(Strict):

@@ -43,6 +43,9 @@ from kvbench.core import store
 from kvbench.runs import lifeline
 
 POLL_S = 0.5  # how often the search reads the records (the shards flush about every 0.5 s)
+# A probe runs at least this many mean response times: the number in flight settles within
+# about one or two below capacity, and the steady-state test compares its middle with its end
+STEADY_RESIDENCES = 3.0
 FEED_WAIT_S = 120.0  # a child with no control file for this long ends (no kvbench run)
 
 
@@ -144,6 +147,7 @@ class Planner:
 
     spec: dict
     history: list = field(default_factory=list)  # (Probe, verdict)
+    residence_s: float | None = None  # mean response time at the last passing rate
 
     def tries(self, rate: float) -> int:
         return sum(1 for p, _ in self.history if p.rate_rps == rate)
@@ -168,10 +172,14 @@ class Planner:
         return lo, (min(fails) if fails else None)
 
     def duration(self, rate: float) -> float:
-        """A probe's length: ``probe_s``, longer at low rates to send ``min_requests``; a
-        refinement is as long again, its requests pooled with the earlier ones at its rate."""
+        """A probe's length: ``probe_s``, longer at low rates to send ``min_requests``, and
+        at least ``STEADY_RESIDENCES`` mean response times (of the last passing rate) plus the
+        records' lag, so that its second half shows whether the number in flight settled
+        (``reports.capacity.not_steady``); at most ``max_probe_s``. A refinement is as long
+        again, its requests pooled with the earlier ones at its rate."""
         s = self.spec
-        return min(max(s["probe_s"], s["min_requests"] / rate), s["max_probe_s"])
+        floor = (STEADY_RESIDENCES * self.residence_s + 1.0) if self.residence_s else 0.0
+        return min(max(s["probe_s"], s["min_requests"] / rate, floor), s["max_probe_s"])
 
     def next(self) -> Probe | None:
         s = self.spec
@@ -257,9 +265,18 @@ def _frames(run_dir: Path, job, index: int, slo: dict):
     lateness = float(np.median(sent[recent] - sched[recent]) / 1e6) if recent.any() else None
     ages = ((time.time_ns() - pend.column("t_sent").to_numpy(zero_copy_only=False)
              .astype(np.int64)) / 1e9) if pend.num_rows else np.empty(0)
-    return done, pending, {"lateness_ms": lateness, "sent": len(sent),
-                           "first_ns": int(sched.min()) if len(sched) else None,
-                           "pending_ages_s": ages}
+    load = {"lateness_ms": lateness, "sent": len(sent),
+            "first_ns": int(sched.min()) if len(sched) else None, "pending_ages_s": ages}
+    if len(sched):  # sends and finishes, seconds from the first arrival (not_steady)
+        base = int(sched.min())
+        r_sent = recs.column("t_sent").to_numpy(zero_copy_only=False).astype(np.float64)
+        r_e2e = recs.column("e2e_ns").to_numpy(zero_copy_only=False).astype(np.float64)
+        # a request that ended without an answer's length (an error) left at its send
+        fin = r_sent + np.where(np.isnan(r_e2e), 0.0, r_e2e)
+        load.update(sent_s=(sent - base) / 1e9,
+                    done_s=np.concatenate([(fin - base) / 1e9, np.full(pend.num_rows, np.nan)]),
+                    now_s=(time.time_ns() - base) / 1e9)
+    return done, pending, load
 
 
 def _empty_like(frame):
@@ -289,6 +306,21 @@ class Watch:
     def _why(self, v) -> str:
         return _why(v, self.spec["target"], self.spec["confidence"])
 
+    def _unsteady(self, done, load: dict) -> str | None:
+        """``reports.capacity.not_steady`` on this probe's sends and finishes (None where the
+        backend does not give them)."""
+        from kvbench.reports import capacity as C
+
+        if "sent_s" not in load:
+            return None
+        w = self.e2e_ref_s
+        if w is None and done is not None and len(done):
+            e2e = done["e2e_ms"].to_numpy(float)
+            e2e = e2e[e2e == e2e]
+            w = float(e2e.mean()) / 1e3 if len(e2e) else None
+        return C.not_steady(load["sent_s"], load["done_s"], load["now_s"],
+                            self.probe.duration_s, w)
+
     def running(self, now: float) -> bool:
         return now < self.end and not self.cut and not self.ended
 
@@ -314,7 +346,8 @@ class Watch:
             sat = (C.saturated(load["pending_ages_s"], elapsed, self.probe.rate_rps,
                                self.e2e_ref_s,
                                load["lateness_ms"])
-                   or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
+                   or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps)
+                   or self._unsteady(done, load))
             # a failure is cut once half the probe ran: a queue burst in its first second or
             # two is all a shorter sample holds, and one burst is one draw, whatever the
             # number of requests it spans (saturation is cut at once)
@@ -331,6 +364,11 @@ class Watch:
                 self.ended = True
                 return "pass", f"ended after {elapsed:.1f} s, shown: {self._why(v)}"
             return None, ""
+        if decided == "pass":
+            # its latencies passed, but a backlog still building would fail them later
+            unsteady = self._unsteady(done, load)
+            if unsteady:
+                return "fail", f"not steady: {unsteady} ({self._why(v)})"
         if decided is not None:
             return decided, self._why(v) + (f" ({n_pend} still running: the verdict holds "
                                             "whatever their outcome)" if n_pend else "")
@@ -487,6 +525,7 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
         backend.publish(state)
         if verdict == "pass":
             ref["e2e"] = backend.e2e_mean_s(w.probe.index) or ref["e2e"]
+            planner.residence_s = ref["e2e"]
         p = w.probe
         say(f"    probe {p.index + 1} ({p.role}) {p.rate_rps:g} req/s, {p.duration_s:g} s: "
             f"{verdict.upper()}: {why}")
@@ -504,10 +543,28 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
         pooled = [q.index for q, _ in planner.history if q.rate_rps == probe.rate_rps]
         return Watch(backend.frames, backend.slo, probe, pooled, spec, t_start, ref["e2e"])
 
+    def warm_up(probe: Probe) -> None:
+        """Load at the start rate for ``warmup_s``, unjudged: a cold prefix cache, an empty
+        batch and an idle queue are not the state a probe should measure (on the default
+        mix the cold contracts' prefills failed chat's TTFT at every rate for the first
+        minute, and the search put the offloaded endpoint at 3.9 req/s against its 12)."""
+        entry = {"index": probe.index, "rate_rps": probe.rate_rps,
+                 "duration_s": probe.duration_s, "role": "warmup", "verdict": None,
+                 "why": "warm-up: not judged"}
+        entries[probe.index] = entry
+        state["probes"].append(entry)
+        backend.publish(state)
+        t_start = backend.started(probe.index)
+        if t_start is None:
+            return
+        while backend.alive() and backend.now() < t_start + probe.duration_s:
+            backend.sleep(POLL_S)
+        say(f"    warm-up {probe.rate_rps:g} req/s, {probe.duration_s:g} s: not judged")
+
     def plan(after: Watch | None = None) -> Probe | None:
         """The next probe (assuming ``after`` passes, if given), within the budget."""
         if after is not None:
-            hyp = Planner(spec, list(planner.history))
+            hyp = Planner(spec, list(planner.history), planner.residence_s)
             hyp.record(after.probe, "pass")
             probe = hyp.next()
         else:
@@ -524,6 +581,8 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
 
     backend.launch()
     try:
+        if spec.get("warmup_s"):
+            warm_up(Probe(0, spec["start_rps"], spec["warmup_s"], "warmup"))
         probe = plan()
         current = start(probe) if probe else None
         behind: Watch | None = None  # a probe whose stragglers are still being judged

@@ -1,0 +1,105 @@
+"""The capacity search measures steady states: a probe's backlog still building fails it
+(``reports.capacity.not_steady``), probes last a few response times (the planner's floor), and
+an optional warm-up runs unjudged before the first probe. The default bake-off's emulated mix
+is the case that needed them (bench/bakeoff_sim.py): an endpoint admitting requests into free
+KV memory kept its first tokens fast for tens of seconds above its capacity, and a cold cache
+failed every short probe."""
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from search_sim import OPTIONS, SimBackend  # noqa: E402
+
+from kvbench.reports.capacity import in_flight_at, not_steady  # noqa: E402
+from kvbench.runs import search  # noqa: E402
+
+
+def _queue(rate: float, service_rps: float | None, residence_s: float, seconds: float,
+           seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson arrivals at ``rate`` for ``seconds``; each takes ``residence_s`` once served,
+    by a server finishing at most ``service_rps`` a second in arrival order (None: no limit).
+    Returns (send, finish) times, finish NaN after ``seconds`` (still running)."""
+    rng = np.random.default_rng(seed)
+    n = rng.poisson(rate * seconds)
+    sent = np.sort(rng.uniform(0, seconds, n))
+    done = sent + rng.exponential(residence_s, n)
+    if service_rps is not None:  # a FIFO that cannot finish faster than service_rps
+        slot = np.arange(n) / service_rps
+        done = np.maximum(done, slot + residence_s)
+    done[done > seconds] = np.nan
+    return sent, done
+
+
+@settings(max_examples=60, deadline=None)
+@given(rate=st.floats(2, 200), residence=st.floats(0.2, 8), seed=st.integers(0, 10_000))
+def test_a_steady_endpoint_is_never_called_unsteady(rate, residence, seed):
+    seconds = 4 * residence + 2
+    sent, done = _queue(rate, None, residence, seconds, seed)
+    assert not_steady(sent, done, seconds + 1.0, seconds, residence) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(rate=st.floats(10, 200), residence=st.floats(0.2, 4), seed=st.integers(0, 10_000))
+def test_an_endpoint_falling_behind_is_unsteady(rate, residence, seed):
+    """Served at half the offered rate: the number in flight grows by rate / 2 a second."""
+    seconds = 6 * residence + 4
+    sent, done = _queue(rate, rate / 2, residence, seconds, seed)
+    why = not_steady(sent, done, seconds + 1.0, seconds, residence)
+    assert why is not None and "in flight grew" in why
+
+
+def test_too_early_to_tell_is_no_verdict():
+    sent, done = _queue(50, 25, 4.0, 5.0, 1)
+    assert not_steady(sent, done, 6.0, 5.0, 4.0) is None  # its middle is within the fill-up
+    assert not_steady(sent, done, 6.0, 5.0, None) is None
+
+
+def test_in_flight_counts_sent_and_not_finished():
+    sent = [0.0, 1.0, 2.0, 3.0]
+    done = [0.5, np.nan, 2.5, np.nan]
+    assert [in_flight_at(sent, done, t) for t in (0.2, 0.7, 1.5, 2.2, 2.7, 3.5)] == \
+        [1, 0, 1, 2, 1, 2]
+
+
+def test_a_probe_lasts_a_few_response_times():
+    spec = dict(probe_s=6.0, min_requests=30, max_probe_s=40.0)
+    p = search.Planner(spec)
+    assert p.duration(10.0) == 6.0
+    p.residence_s = 4.0
+    assert p.duration(10.0) == search.STEADY_RESIDENCES * 4.0 + 1.0
+    p.residence_s = 30.0
+    assert p.duration(10.0) == 40.0  # at most max_probe_s
+
+
+@pytest.fixture
+def _quiet_asyncio():
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    yield
+
+
+SPEC = dict(start_rps=7.5, growth=1.7, target=0.95, probe_s=10.0, min_requests=30,
+            max_probe_s=14.0, min_class_requests=5, refine=1, precision=0.05, budget_s=60.0,
+            settle_s=5.0, confidence=0.95, max_rps=1e6, min_rps=0.01, confirm=True)
+
+
+def test_a_warm_up_runs_first_and_is_never_judged(_quiet_asyncio):
+    b = SimBackend(dict(OPTIONS, time_scale=0.2), 64, 32, {"chat": {"ttft_ms": 100.0}}, 7)
+    lines = []
+    planner, state = search.drive(b, {**SPEC, "warmup_s": 8.0}, say=lines.append)
+    first = state["probes"][0]
+    assert first["role"] == "warmup" and first["verdict"] is None
+    assert first["rate_rps"] == SPEC["start_rps"] and first["duration_s"] == 8.0
+    assert len(b.reqs[0]) == round(SPEC["start_rps"] * 8.0)  # it sent its load
+    judged = [p for p, _ in planner.history]
+    assert judged and all(p.index > 0 for p in judged)  # never in the plan's history
+    assert state["probes"][1]["role"] == "ramp" and state["probes"][1]["verdict"]
+    assert any("warm-up" in line for line in lines)
