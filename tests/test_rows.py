@@ -1,7 +1,7 @@
 """The load process's record shards without pyarrow (``kvbench.core.rows``, issue 13): the column
 names equal the schema's, rows written by ``RowShardWriter`` read back through the store exactly,
 a batch cut by a kill loses only itself, and a damaged or foreign file is a ``DataError`` naming
-it."""
+it; the distributed master checks a batch before it appends it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvbench.core import rows, store
 from kvbench.core.errors import DataError
 from kvbench.core.schema import REQUESTS
+from kvbench.runs import transport as T
 
 INT = {pa.int32(): (-2**31, 2**31 - 1), pa.int64(): (-2**63, 2**63 - 1)}
 
@@ -158,3 +159,29 @@ def test_numpy_values_are_written_as_python_ones(tmp_path):
     w.close()
     t = store.read_starts(tmp_path)
     assert t.column("max_tokens").to_pylist() == [7] and t.column("turn").to_pylist() == [2]
+
+
+def test_the_master_checks_a_batch_before_it_appends_it(tmp_path):
+    cols = [["x", "y"] if c != "chunk_offsets_ns" else [[1, 2], []]
+            for c in rows.REQUEST_COLUMNS]
+    data = T.encode("requests", cols)
+    names, packed, n = T.decode("requests", data)
+    assert names == list(rows.REQUEST_COLUMNS) and n == 2
+    assert msgpack.unpackb(packed) == cols
+    head = msgpack.packb(rows.header("requests", rows.REQUEST_COLUMNS))
+    bad = {
+        "not bytes": cols,
+        "of the starts": T.encode("starts", [["x"]] * len(rows.START_COLUMNS)),
+        "columns of two lengths": head + rows.pack_batch([["x"]] + cols[1:]),
+        "too few columns": head + rows.pack_batch(cols[:-1]),
+        "cut": data[:-3],
+        "bytes after it": data + b"\x00",
+        "no header": rows.pack_batch(cols),
+    }
+    for what, payload in bad.items():
+        with pytest.raises(ValueError):
+            T.decode("requests", payload)
+        inbox = T.Inbox(tmp_path / what.replace(" ", "_"))
+        with pytest.raises(ValueError):
+            inbox.receive({"w": "h:1", "seq": 1, "kind": "requests", "data": payload})
+        assert not store.shard_files(inbox.run_dir), what  # nothing appended
