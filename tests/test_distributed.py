@@ -73,6 +73,23 @@ def test_batches_cross_once_each_and_a_silent_worker_is_named(tmp_path):
     assert not meta.interrupted  # the run itself completed
 
 
+def test_a_worker_declared_lost_that_comes_back_is_taken_whole(tmp_path):
+    box = T.Outbox("h1:10")
+    inbox = T.Inbox(tmp_path, master_host="master")
+    box.put("requests", _cols("h1:10", ["a"]))
+    box.put("meta", _meta(1, 1, False))
+    box.ack([inbox.receive(m, now=0.0) for m in box.take(now=0.0)])
+    inbox.declare_lost(inbox.workers["h1:10"], "no message for 6.0 s")
+    box.put("requests", _cols("h1:10", ["b", "c"]))
+    box.put("meta", _meta(3, 3, True))
+    box.ack([inbox.receive(m, now=7.0) for m in box.take(now=7.0)])
+    inbox.close(now=8.0)
+    st = inbox.workers["h1:10"]
+    assert st.lost is None and st.closed and st.records == 3
+    t = store.read_table(tmp_path, "requests")
+    assert sorted(t.column("request_id").to_pylist()) == ["a", "b", "c"]
+
+
 @settings(max_examples=30, deadline=None)
 @given(offset=st.integers(-10**12, 10**12), out_ns=st.integers(0, 10**7),
        back_ns=st.integers(0, 10**7))

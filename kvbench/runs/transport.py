@@ -227,6 +227,7 @@ class Inbox:
             return seq
         if st.lost is not None:  # it came back after all: take what it sends
             st.lost = None
+            st.writers = {}  # those were closed: new ones append to the same shards
         if kind == "meta":
             self._meta(st, dict(data))
         else:
@@ -237,7 +238,7 @@ class Inbox:
                                                            columns=columns)
             elif list(w.columns) != columns:
                 raise ValueError(f"a {kind} batch of other columns than this worker's before")
-            w.write_packed(batch, n)
+            n = w.write_packed(batch, n)
             if kind == "requests":
                 st.records += n
             else:
