@@ -22,9 +22,11 @@
 * ``workloads``: {name: describe()}; ``workloads_sent``: {endpoint: {workload: describe()}}.
 
 ``RunMeta`` is the typed view of run.json; ``runs.finalize`` is its one writer. Tables are read
-through ``scan`` (record batches, parquet then live shards, conformed to the schema) and written
-through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table; the load
-processes also write each request's start, ``STARTS``, which ``compact`` folds in).
+through ``scan`` (record batches, parquet then live shards, conformed to the schema). Live
+shards are written one per process and table, append-only: the collectors' by ``ShardWriter``
+(Arrow IPC, ``.arrows``), the load processes' by ``core.rows.RowShardWriter`` (msgpack rows,
+``.rows``, without pyarrow), which also write each request's start, ``STARTS``, that
+``compact`` folds in.
 """
 
 from __future__ import annotations
@@ -312,7 +314,7 @@ def check_run_json(data, source: Path | str = "run.json") -> None:
 
 
 class ShardWriter:
-    """The one writer of table shards: appends record batches to
+    """The writer of Arrow table shards (collectors, OTLP spans): appends record batches to
     ``<run_dir>/<table>-<host>-<pid>[-<tag>].arrows``, an Arrow IPC stream flushed after each
     batch, so a killed process keeps every complete batch (``scan`` reads up to the last).
     Thread-safe; the file is created with the first batch (or by ``open``)."""
