@@ -41,8 +41,7 @@ def _rows_of(schema: pa.Schema):
     return st.fixed_dictionaries({f.name: st.none() | _values(f.type) for f in schema})
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches=st.lists(st.lists(_rows_of(REQUESTS), min_size=1, max_size=6), max_size=4))
 def test_rows_read_back_exactly(tmp_path_factory, batches):
     """Random records (None, empty lists, unicode, the integer types' edges) written in batches
