@@ -1,8 +1,8 @@
 """The distributed master's cost per received record (issue 15): a simulated stream of
 ``--workers`` workers at ``--rate`` requests/s each, sending what their sinks send (a requests
 batch, a starts batch and a sidecar every 0.5 s, as Locust messages), fed to the master's side
-(Locust's message decoding + ``kvbench.runs.transport.Inbox``: decode, shard write, sidecar,
-acknowledgement encoding) as fast as it takes them.
+(Locust's message decoding + ``kvbench.runs.transport.Inbox``: check, rows shard write,
+sidecar, acknowledgement encoding) as fast as it takes them.
 
 Prints the master's CPU microseconds per record, the records/s one master core takes (its
 ceiling), that ceiling over the stream's rate (headroom: above 1 the master is not the
@@ -23,14 +23,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from locust.rpc import Message  # noqa: E402
 
-from kvbench.core.schema import REQUESTS  # noqa: E402
-from kvbench.core.store import STARTS  # noqa: E402
+from kvbench.core import rows  # noqa: E402
 from kvbench.runs import transport as T  # noqa: E402
 
 FLUSH_S = 0.5
@@ -48,11 +46,12 @@ def offsets(n: int, tokens: int) -> list:
     the wire's compression is not flattered by identical rows."""
     rng = np.random.default_rng(n)
     gaps = rng.gamma(4.0, 5_000_000, size=(n, tokens)).astype(np.int64)
-    return list(50_000_000 + np.cumsum(gaps, axis=1))
+    return (50_000_000 + np.cumsum(gaps, axis=1)).tolist()
 
 
-def batch(worker: str, start: int, n: int, tokens: int, schema: pa.Schema) -> pa.RecordBatch:
-    """``n`` records as a sink writes them: per-chunk offsets and tokens of ``tokens`` chunks."""
+def batch(worker: str, start: int, n: int, tokens: int, kind: str) -> list[list]:
+    """``n`` records as a sink hands them over (column lists in ``rows.COLUMNS[kind]`` order):
+    per-chunk offsets and tokens of ``tokens`` chunks."""
     t0 = 1_760_000_000 * 10**9
     cols = {"run_id": ["bench"] * n, "endpoint": ["staging"] * n, "topology": ["colocated"] * n,
             "workload": ["chat"] * n, "request_class": ["chat"] * n, "stage": [0] * n,
@@ -68,9 +67,7 @@ def batch(worker: str, start: int, n: int, tokens: int, schema: pa.Schema) -> pa
             "chunk_tokens": [[1] * tokens] * n, "e2e_ns": [50_000_000 + tokens * 20_000_000] * n,
             "status": ["ok"] * n, "http_status": [200] * n,
             "server_request_id": [f"{worker}-{start + i}" for i in range(n)]}
-    arrays = [pa.array(cols[f.name], f.type) if f.name in cols else pa.nulls(n, f.type)
-              for f in schema]
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return [cols.get(name, [None] * n) for name in rows.COLUMNS[kind]]
 
 
 def main(argv=None) -> int:
@@ -84,16 +81,16 @@ def main(argv=None) -> int:
     flushes = int(a.seconds / FLUSH_S)
     # what the workers send (encoded up front: the workers' cost, timed apart)
     boxes = {f"load-{i}:1": T.Outbox(f"load-{i}:1") for i in range(a.workers)}
-    template = batch("w", 0, per_flush, a.output_tokens, REQUESTS)
-    starts_t = batch("w", 0, per_flush, a.output_tokens, STARTS)
+    template = batch("w", 0, per_flush, a.output_tokens, "requests")
+    starts_t = batch("w", 0, per_flush, a.output_tokens, "starts")
     c0 = time.process_time()
     for w, box in boxes.items():
         box.put("requests", template)
     enc_s = (time.process_time() - c0) / (a.workers * per_flush)
     for box in boxes.values():
         box.take()
-    req_bytes = T.encode(template)
-    start_bytes = T.encode(starts_t)
+    req_bytes = T.encode("requests", template)
+    start_bytes = T.encode("starts", starts_t)
     meta = {"counts": {"requests_started": 0, "records_written": 0, "dropped_at_cap": 0},
             "stages": [], "incomplete": [], "closed": False, "host": "load", "worker": ""}
     wire = []  # the Locust messages as they arrive at the master, one flush of every worker
@@ -127,7 +124,7 @@ def main(argv=None) -> int:
         wall = time.perf_counter() - wall0
         rss1 = rss_mib()
         records = sum(st.records for st in inbox.workers.values())
-        size = sum(p.stat().st_size for p in (Path(d) / "run").glob("*.arrows"))
+        size = sum(p.stat().st_size for p in rows.shard_files(Path(d) / "run"))
     want = a.workers * a.rate
     per_rec_us = cpu / records * 1e6
     ceiling = records / cpu
@@ -136,7 +133,7 @@ def main(argv=None) -> int:
     print(f"master: {per_rec_us:.2f} us CPU per record ({wall:.2f} s wall for "
           f"{a.seconds:.0f} s of stream); one core takes {ceiling:,.0f} records/s = "
           f"{ceiling / want:.1f}x the {want:,.0f} req/s offered")
-    print(f"wire: {bytes_in / records:.0f} bytes per record (LZ4 Arrow IPC + starts + "
+    print(f"wire: {bytes_in / records:.0f} bytes per record (msgpack rows + starts + "
           f"sidecars) = {bytes_in / a.seconds / 2**20:.1f} MiB/s into the master; shards on "
           f"disk {size / records:.0f} bytes per record")
     print(f"workers: {enc_s * 1e6:.2f} us per record to encode (their thread pools)")

@@ -1,7 +1,8 @@
 """What the live summary (kvbench.loadgen.live) costs a load process at a given request rate.
 
 Replays the sink's output at ``--rate`` requests/s: a REQUESTS batch every flush interval
-(0.5 s: what ``RecordSink`` writes), with ``--chunks`` chunks per request, for ``--seconds`` of
+(0.5 s: what ``RecordSink`` writes, handed over as {column: list of values}), with ``--chunks``
+chunks per request, for ``--seconds`` of
 simulated load. At each live tick (0.5 s) the queued batches are derived, and once a second the
 progress file is rewritten (what every load process under kvbench run does); every 2 s the web UI's
 summary is taken (a browser on the tab: exact window and since-start percentiles). The CPU time
@@ -93,7 +94,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     rng = np.random.default_rng(7)
     per_flush = int(round(a.rate * FLUSH_INTERVAL_S))
-    pool = [batch(rng, per_flush, a.chunks, time.time_ns()) for _ in range(8)]
+    # as the sink's taps receive them: column lists by name (built with pyarrow here only)
+    pool = [batch(rng, per_flush, a.chunks, time.time_ns()).to_pydict() for _ in range(8)]
     print(f"live summary at {a.rate:.0f} req/s, {a.chunks} chunks/request, {a.seconds} s "
           f"simulated, web UI summary every {a.ui_every or 'never'} s:")
     shares = []

@@ -19,7 +19,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from kvbench.core import redact
 from kvbench.core.errors import UserError
-from kvbench.core.store import START_COLUMNS, worker_name
+from kvbench.core.rows import START_COLUMNS, worker_name
 from kvbench.loadgen import live
 from kvbench.loadgen.client import ConnectionPool, Result, StreamingClient, Target
 from kvbench.loadgen.looplag import LoopLag
@@ -46,7 +46,7 @@ assert _ROW == COLUMNS, "loadgen row order must follow kvbench.schema.REQUESTS"
 _START = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", "request_id",
           "session_id", "turn", "worker", "prompt_tokens_client", "shared_prefix_tokens",
           "max_tokens", "t_scheduled", "t_sent")
-assert _START == START_COLUMNS, "loadgen start order must follow kvbench.store.START_COLUMNS"
+assert _START == START_COLUMNS, "loadgen start order must follow kvbench.core.rows.START_COLUMNS"
 CANCELLED_AT_STOP = "cancelled at the stop"  # the error text of a request a stop cut
 
 

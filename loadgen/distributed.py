@@ -31,7 +31,7 @@ import gevent
 from locust import events
 from locust.runners import MasterRunner, WorkerRunner
 
-from kvbench.core.store import shard_stem, worker_name
+from kvbench.core.rows import shard_stem, worker_name
 from kvbench.loadgen import sink as sink_module
 from kvbench.runs import transport as T
 

@@ -31,7 +31,9 @@ from kvbench.loadgen import distributed  # noqa: F401 - issue 15: records over L
 from kvbench.loadgen.context import LoadContext, fail, get_context
 from kvbench.loadgen.options import has_kvbench_options, job_from_options, run_id
 from kvbench.runs import lifeline
-from kvbench.runs.finalize import finalize, wait_for_sidecars
+
+# kvbench.runs.finalize (pyarrow, compaction) is imported where a run ends, never while a load
+# process sends (issue 13: pyarrow is about 38 MB of its memory)
 
 PLAIN_TELEMETRY = {"collectors": "not started by a plain locust run (kvbench run starts them)"}
 MASTER_WAIT_S = 15.0  # beyond the drain, how long the master waits for its workers' sidecars
@@ -232,6 +234,8 @@ def _quit(environment) -> None:
         return
     expected = max(1, o.kvbench_workers or 1) if master else 1
     if master:  # its workers close their records (draining first) before it may go
+        from kvbench.runs.finalize import wait_for_sidecars
+
         try:
             wait_for_sidecars(_run_dir(environment, ctx), expected,
                               MASTER_WAIT_S + (environment.stop_timeout or 0))
@@ -245,6 +249,34 @@ def _quit(environment) -> None:
                              interrupted=why)
     except UserError as exc:
         fail(environment, exc)
+
+
+def _pyarrow_without_pandas() -> None:
+    """Before a load process finalizes its own run (a plain locust run): pyarrow's first
+    conversion of Python values asks whether they are pandas objects, importing pandas to know
+    (about 34 MB more at the process's peak, for a run that never uses pandas). That one check
+    is made here with pandas hidden (its import fails, pyarrow notes "no pandas" for the
+    check); pyarrow imports it again whenever something really converts to or from pandas."""
+    import sys
+
+    if "pandas" in sys.modules:
+        return  # nothing to save
+
+    class NoPandas:
+        def find_spec(self, name, path=None, target=None):
+            if name == "pandas" or name.startswith("pandas."):
+                raise ImportError("pandas is not used by a load process")
+            return None
+
+    hide = NoPandas()
+    sys.meta_path.insert(0, hide)
+    try:
+        import pyarrow as pa
+
+        pa.array([None])
+        pa.scalar("ok")
+    finally:
+        sys.meta_path.remove(hide)
 
 
 def _run_dir(environment, ctx: LoadContext | None):
@@ -262,6 +294,9 @@ def finalize_environment(environment, ctx: LoadContext | None, expected_procs: i
                          wait_s: float = 0.0, interrupted: str | None = None):
     """run.json of this environment's run: the context's job and workload, or (the master,
     which sends nothing) the job resolved again from the options, without a model lookup."""
+    _pyarrow_without_pandas()
+    from kvbench.runs.finalize import finalize
+
     if ctx is not None:
         job, workload = ctx.job, ctx.workload
     else:

@@ -3,9 +3,10 @@ percentiles per endpoint and class over a sliding window and since start, SLO at
 goodput, hit ratio, requests in flight and dropped, and what the collectors of ``kvbench run``
 write beside the records (engine KV usage, queue, prefix hits; GPU SM and HBM by role).
 
-Nothing here runs per request: the record sink hands each Arrow batch it wrote (about twice a
-second) to ``LiveStats.tap``, which only queues it; a greenlet turns the queued batches into
-numpy arrays every ``TICK_S``. Percentiles are numpy's linear ones over the records' own values
+Nothing here runs per request: the record sink hands each batch it wrote (about twice a second,
+its column lists by name) to ``LiveStats.tap``, which only queues it; a greenlet turns the
+queued batches into numpy arrays every ``TICK_S``. No pyarrow in a load process (issue 13): it
+is imported only to read the collectors' Arrow shards, when a view of them is asked for. Percentiles are numpy's linear ones over the records' own values
 (as the reports take them), never Locust's rounded histogram: TTFT, TPOT and lateness as exact
 floats, ITL (tens of thousands of gaps a second) as exact counts per microsecond.
 A worker sends what it derived to the master (``kvbench_live`` messages), so the master's
@@ -16,15 +17,15 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import json
 import math
 import os
 import time
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvbench.runs.progress import live_path
 
@@ -260,45 +261,55 @@ def _figures(c: dict, span_s: float) -> dict:
             "hit_ratio": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else None}
 
 
-def _np(col: pa.Array, fill: float = np.nan) -> np.ndarray:
-    """A numeric column as float64, nulls as ``fill``."""
-    a = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
-    if col.null_count and not np.isnan(fill):
-        a = np.where(np.isnan(a), fill, a)
+def _np(col: list, fill: float = np.nan) -> np.ndarray:
+    """A numeric column (a list, None for a missing value) as float64, None as ``fill``."""
+    a = np.array(col, dtype=np.float64)  # None -> nan
+    if not np.isnan(fill):
+        a[np.isnan(a)] = fill
     return a
 
 
-def derive(batch: pa.RecordBatch, slo: dict) -> dict:
-    """A REQUESTS batch -> {(endpoint, class): (arrays, counts)}; vectorised (no per-row
-    Python but the per-class split). Definitions as in DESIGN.md: TPOT over requests with more
-    than one token, ITL = gaps between consecutive chunks of successful requests, errors are
-    misses, cancelled requests (a stop cut them) are neither."""
-    if batch.num_rows == 0:
+def _columns(batch) -> Mapping[str, list]:
+    """A batch as the sink hands it over ({column: list}); an Arrow batch or table (tests,
+    benches) through its ``to_pydict``, so pyarrow is never imported here."""
+    return batch.to_pydict() if hasattr(batch, "to_pydict") else batch
+
+
+def derive(batch, slo: dict) -> dict:
+    """A REQUESTS batch ({column: list of values}) -> {(endpoint, class): (arrays, counts)};
+    vectorised (no per-row Python but the list conversions and the per-class split).
+    Definitions as in DESIGN.md: TPOT over requests with more than one token, ITL = gaps
+    between consecutive chunks of successful requests, errors are misses, cancelled requests
+    (a stop cut them) are neither."""
+    batch = _columns(batch)
+    status = np.array(batch["status"], dtype=object)
+    if len(status) == 0:
         return {}
-    status = batch.column("status")
-    ok = pc.equal(status, "ok").to_numpy(zero_copy_only=False)
-    cancelled = pc.equal(status, "cancelled").to_numpy(zero_copy_only=False)
-    ttft = _np(batch.column("ttft_ns")) / 1e6
-    e2e = _np(batch.column("e2e_ns")) / 1e6
-    n_tok = _np(batch.column("completion_tokens"), 0)
+    ok = status == "ok"
+    cancelled = status == "cancelled"
+    ttft = _np(batch["ttft_ns"]) / 1e6
+    e2e = _np(batch["e2e_ns"]) / 1e6
+    n_tok = _np(batch["completion_tokens"], 0)
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(n_tok > 1, (e2e - ttft) / (n_tok - 1), np.nan)
     # epoch ns exceed a float's exact range: subtract as integers first
-    late = _np(pc.subtract(batch.column("t_sent"), batch.column("t_scheduled"))) / 1e6
-    prompt = _np(batch.column("prompt_tokens"))
-    cached = _np(batch.column("cached_tokens"))
+    late = _np([s - c if s is not None and c is not None else None
+                for s, c in zip(batch["t_sent"], batch["t_scheduled"])]) / 1e6
+    prompt = _np(batch["prompt_tokens"])
+    cached = _np(batch["cached_tokens"])
     both = ~np.isnan(prompt) & ~np.isnan(cached)
     # ITL: the flat offsets' diffs, minus those that cross into the next request
-    offs = batch.column("chunk_offsets_ns")
-    lens = pc.fill_null(pc.list_value_length(offs), 0).to_numpy(zero_copy_only=False)
-    flat = pc.list_flatten(offs).to_numpy(zero_copy_only=False)
+    offs = batch["chunk_offsets_ns"]
+    lens = np.fromiter((len(x) if x else 0 for x in offs), np.int64, len(offs))
+    flat = np.fromiter(itertools.chain.from_iterable(x for x in offs if x), np.int64,
+                       int(lens.sum()))
     row_of = np.repeat(np.arange(len(lens)), lens)
     gap_row = row_of[1:]
     gap_ok = gap_row == row_of[:-1]
     # to the nearest microsecond, in integers (ns offsets are exact there)
     gaps = (np.diff(flat) + 500) // 1000 if len(flat) > 1 else np.empty(0, np.int64)
     ok_gap = gap_ok & ok[gap_row] if len(gaps) else np.empty(0, bool)
-    groups = list(_groups(batch.column("endpoint"), batch.column("request_class")))
+    groups = list(_groups(batch["endpoint"], batch["request_class"]))
     out = {}
     for key, rows in groups:
         r_ok = rows & ok
@@ -324,27 +335,33 @@ def derive(batch: pa.RecordBatch, slo: dict) -> dict:
                   "prompt_tokens": int(prompt[rows & both].sum()),
                   "cached_tokens": int(cached[rows & both].sum())}
         out[key] = (arrays, counts)
-    stage = batch.column("stage").to_numpy(zero_copy_only=False)
-    for s in np.unique(stage):  # per stage, for kvbench run's progress line
-        rows = stage == s
+    stage = np.array(batch["stage"], dtype=object)
+    for s in sorted({v for v in batch["stage"] if v is not None}):  # per stage, for kvbench
+        rows = stage == s  # run's progress line
         fin = rows & ~cancelled
         out[("", f"stage:{int(s)}")] = ({}, {"done": int(rows.sum()),
                                             "errors": int((fin & ~ok).sum())})
     return out
 
 
-def _groups(ep_col: pa.Array, cls_col: pa.Array):
+def _groups(ep_col: list, cls_col: list):
     """(endpoint, class) -> its rows (a bool mask), vectorised per distinct value."""
-    eps, classes = ep_col.unique().to_pylist(), cls_col.unique().to_pylist()
+    eps, classes = list(dict.fromkeys(ep_col)), list(dict.fromkeys(cls_col))
     n = len(ep_col)
+    ep_arr = np.array(ep_col, dtype=object) if len(eps) > 1 else None
+    cls_arr = np.array(cls_col, dtype=object) if len(classes) > 1 else None
     for ep in eps:
-        on_ep = np.ones(n, bool) if len(eps) == 1 else pc.equal(ep_col, ep).to_numpy(
-            zero_copy_only=False)
+        on_ep = np.ones(n, bool) if ep_arr is None else _equal(ep_arr, ep)
         for cls in classes:
-            rows = on_ep if len(classes) == 1 else on_ep & pc.equal(cls_col, cls).to_numpy(
-                zero_copy_only=False)
+            rows = on_ep if cls_arr is None else on_ep & _equal(cls_arr, cls)
             if rows.any():
                 yield (ep, cls), rows
+
+
+def _equal(values: np.ndarray, value) -> np.ndarray:
+    """Elementwise ``values == value`` of an object array as bools (None matches None)."""
+    return np.fromiter((v == value for v in values), bool, len(values)) if value is None else (
+        values == value)
 
 
 class LiveStats:
@@ -367,8 +384,8 @@ class LiveStats:
         self.derive_s = 0.0  # CPU seconds spent deriving (bench/live_cost.py reads it)
 
     # -- the load process side
-    def tap(self, batch: pa.RecordBatch) -> None:
-        """The sink wrote ``batch`` (any thread): queue it (a deque append)."""
+    def tap(self, batch) -> None:
+        """The sink wrote ``batch`` ({column: list}; any thread): queue it (a deque append)."""
         self.inbox.append(batch)
 
     def drain(self, keep_for_master: bool = False) -> None:
@@ -454,7 +471,9 @@ class ShardTail:
         self.offset = 0
         self.schema = None
 
-    def read(self) -> list[pa.RecordBatch]:
+    def read(self) -> list:
+        import pyarrow as pa  # only where a collector writes shards and a view is asked for
+
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -625,9 +644,9 @@ def attach(ctx) -> LiveStats:
 
 def _warm(slo: dict | None) -> None:
     """Derive a two-row batch once before any load, into a throwaway summary: the first
-    derivation's one-time costs (compute kernels, numpy paths) otherwise land in the first
-    tick of the run, a 10 ms pause of every stream at 256 of them (bench/locust_path.py)."""
-    from kvbench.core.schema import REQUESTS
+    derivation's one-time costs (numpy's code paths) otherwise land in the first tick of the
+    run, a 10 ms pause of every stream at 256 of them (bench/locust_path.py)."""
+    from kvbench.core.rows import REQUEST_COLUMNS
 
     given = {"endpoint": ["w", "w"], "request_class": ["c", "c"], "status": ["ok", "cancelled"],
              "ttft_ns": [1_000_000, None], "e2e_ns": [3_000_000, None],
@@ -635,9 +654,7 @@ def _warm(slo: dict | None) -> None:
              "t_scheduled": [1, 1], "t_sent": [2, 2], "stage": [0, 0],
              "chunk_offsets_ns": [[1_000_000, 2_000_000, 3_000_000], []]}
     try:
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(given.get(f.name, [None, None]), type=f.type) for f in REQUESTS],
-            schema=REQUESTS)
+        batch = {name: given.get(name, [None, None]) for name in REQUEST_COLUMNS}
         s = LiveStats(slo)
         s.tap(batch)
         s.drain()

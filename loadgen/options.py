@@ -9,7 +9,7 @@ import argparse
 from locust import events
 
 from kvbench.core.errors import UserError
-from kvbench.core.store import new_run_id
+from kvbench.core.rows import new_run_id
 from kvbench.loadgen.pacing import PACINGS
 from kvbench.runs.job import FOREVER_S, Job, JobStage, resolve
 

@@ -1,14 +1,16 @@
-"""Per-process request records: columnar buffers on the hot path, Arrow IPC shard in the back.
+"""Per-process request records: columnar buffers on the hot path, a msgpack rows shard in the
+back (no pyarrow in a load process: issue 13).
 
 ``append`` costs a list append per column (about 2 us a request). About once a second the
-buffers are swapped for empty ones and converted + written on gevent's native thread pool, so
-the event loop never stalls on a large batch (per-row tuples stalled it 3 s at 100k requests;
-issue 4). The shard ``requests-<host>-<pid>.arrows`` is an append-only Arrow IPC stream:
-readable up to its last complete batch if the process dies. Each request's start (the columns
-known when it is sent) is buffered the same way and written to ``starts-<host>-<pid>.arrows``, and
-the sidecar ``proc-<host>-<pid>.json`` is refreshed with each flush (``closed: false`` until the
-sink closes): a SIGKILL loses at most the last flush interval, and compaction turns the starts
-left without a record into ``cancelled`` ones (``kvbench.core.store.unfinished_starts``).
+buffers are swapped for empty ones and written on gevent's native thread pool, so the event
+loop never stalls on a large batch (per-row tuples stalled it 3 s at 100k requests; issue 4).
+The shard ``requests-<host>-<pid>.rows`` (``kvbench.core.rows``) is append-only, each batch its
+column lists packed and flushed: readable up to its last complete batch if the process dies.
+Each request's start (the columns known when it is sent) is buffered the same way and written
+to ``starts-<host>-<pid>.rows``, and the sidecar ``proc-<host>-<pid>.json`` is refreshed with
+each flush (``closed: false`` until the sink closes): a SIGKILL loses at most the last flush
+interval, and compaction turns the starts left without a record into ``cancelled`` ones
+(``kvbench.core.store.unfinished_starts``), converting the rows to Parquet.
 """
 
 from __future__ import annotations
@@ -16,55 +18,20 @@ from __future__ import annotations
 import atexit
 import copy
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
+from kvbench.core.rows import (REQUEST_COLUMNS, START_COLUMNS, RowShardWriter, worker_name,
+                               write_proc_meta)
 
-from kvbench.core.schema import REQUESTS
-from kvbench.core.store import START_COLUMNS, STARTS, ShardWriter, worker_name, write_proc_meta
-
-COLUMNS = tuple(REQUESTS.names)
+COLUMNS = REQUEST_COLUMNS
 FLUSH_INTERVAL_S = 0.5  # half the loss bound a kill may cost (one second), for a late loop
 # Set by kvbench.loadgen.distributed on a Locust worker whose records go to its master
 # (issue 15): given the run directory it names this process's local spool (or None: the sink
-# works as before), and receives every batch, sidecar and the close.
+# works as before), and receives every batch (``put(kind, columns)``: the column lists in
+# ``kvbench.core.rows.COLUMNS[kind]`` order), sidecar and the close.
 FORWARD = None
-
-
-def _warm_conversion() -> None:
-    """Convert a one-row batch of each schema once, unwritten, before any load.
-
-    pyarrow's first ``pa.array`` (and ``pa.scalar``) asks whether its input is a pandas
-    object, and to know that imports pandas when it is installed: 0.3 s and +40 MB in a process that never uses pandas,
-    done on the writer thread in the first second of a run (the GIL it held paused the loop
-    4-17 ms at a time). pandas is hidden from that one check (its import fails, so pyarrow
-    records "no pandas" for the check); pyarrow tries the import again whenever something
-    really converts to pandas, so nothing that needs pandas loses it."""
-    hide = _NoPandas() if "pandas" not in sys.modules else None
-    if hide is not None:
-        sys.meta_path.insert(0, hide)
-    try:
-        for schema in (REQUESTS, STARTS):
-            pa.RecordBatch.from_arrays([pa.array([None], type=f.type) for f in schema],
-                                       schema=schema)
-        # a Python scalar in a compute call (the live summary's status == "ok") checks too
-        pc.equal(pa.array(["ok"]), pa.scalar("ok"))
-    finally:
-        if hide is not None:
-            sys.meta_path.remove(hide)
-
-
-class _NoPandas:
-    """An import finder that makes ``import pandas`` fail while it is installed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "pandas" or name.startswith("pandas."):
-            raise ImportError("pandas is not used by a load process")
-        return None
 
 
 class RecordSink:
@@ -77,17 +44,19 @@ class RecordSink:
         self.forward = FORWARD if FORWARD is not None and FORWARD.spool(run_dir) else None
         self.run_dir = Path(self.forward.spool(run_dir) if self.forward else run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._shard = ShardWriter(self.run_dir, "requests")
+        self._shard = RowShardWriter(self.run_dir, "requests")
         self._shard.open()
         self.path = self._shard.path
-        self._starts_shard = ShardWriter(self.run_dir, "starts")
+        self._starts_shard = RowShardWriter(self.run_dir, "starts")
         self._starts: list[list] = [[] for _ in START_COLUMNS]
         self.flush_interval_s = flush_interval_s
         self.use_threadpool = use_threadpool
         self._cols: list[list] = [[] for _ in COLUMNS]
         self._lock = threading.Lock()  # one batch at a time (thread pool vs final flush)
         self._pending = None  # the thread-pool flush in progress
-        self.taps: list = []  # called with each requests batch written (live.py), any thread
+        # called with each requests batch written, as {column name: list of values}
+        # (live.py), on any thread
+        self.taps: list = []
         self._loop = None
         self.closed = False
         self.started = 0  # requests started: the caller counts them with ``begin``
@@ -95,7 +64,6 @@ class RecordSink:
         self.meta: dict = {"counts": {"dropped_at_cap": 0}, "stages": [], "incomplete": [],
                            "opened_ns": time.time_ns()}
         self._write_meta(self._snapshot(closed=False))
-        _warm_conversion()
         atexit.register(self.close)
 
     def begin(self, start: tuple | None = None) -> None:
@@ -143,20 +111,18 @@ class RecordSink:
         n = 0
         with self._lock:
             if starts is not None:
-                b = pa.RecordBatch.from_arrays(
-                    [pa.array(c, type=f.type) for c, f in zip(starts, STARTS)], schema=STARTS)
-                self._starts_shard.write(b)
+                self._starts_shard.write(starts)
                 if self.forward is not None:
-                    self.forward.put("starts", b)
+                    self.forward.put("starts", starts)
             if cols is not None:
-                b = pa.RecordBatch.from_arrays(
-                    [pa.array(c, type=f.type) for c, f in zip(cols, REQUESTS)], schema=REQUESTS)
-                n = self._shard.write(b)
-                for tap in self.taps:
-                    tap(b)
+                n = self._shard.write(cols)
+                if self.taps:
+                    batch = dict(zip(COLUMNS, cols))
+                    for tap in self.taps:
+                        tap(batch)
                 self.written += n
                 if self.forward is not None:
-                    self.forward.put("requests", b)
+                    self.forward.put("requests", cols)
             if meta is not None:
                 self._write_meta(meta)
         return n

@@ -14,10 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import msgpack
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from kvbench.core import rows
 from kvbench.core.schema import TABLES
 
 # Values of every JSON type, for run.json fields of the wrong type.
@@ -34,23 +36,27 @@ CONFIG_FIELDS = ("slo", "gate", "suite", "workloads", "endpoints")
 Mutation = Callable[[Path, random.Random], str]
 
 
+# the tables a load process writes as msgpack rows (kvbench.core.rows); the collectors' as
+# Arrow IPC
+ROWS_TABLES = ("requests",)
+
+
 def to_shards(run_dir: Path) -> None:
-    """The folder as a live run leaves it: every table as an Arrow IPC shard, no parquet."""
+    """The folder as a live run leaves it, no parquet: the requests as the load process's rows
+    shard, every other table as a collector's Arrow IPC shard."""
     for name in TABLES:
         p = run_dir / f"{name}.parquet"
         if not p.exists():
             continue
         t = pq.read_table(p)
-        with open(run_dir / f"{name}-host-1.arrows", "wb") as fh, \
-                ipc.new_stream(fh, t.schema) as w:
-            for b in t.to_batches(max_chunksize=8):
-                w.write_batch(b)
+        suffix = ".rows" if name in ROWS_TABLES else ".arrows"
+        _rewrite(run_dir / f"{name}-host-1{suffix}", t, batch_rows=8)
         p.unlink()
 
 
 def _data_files(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.iterdir() if p.is_file() and p.suffix in (
-        ".parquet", ".arrows", ".json"))
+        ".parquet", ".arrows", ".rows", ".json"))
 
 
 def _meta(run_dir: Path) -> dict:
@@ -158,16 +164,44 @@ def config_field(name: str, value) -> Mutation:
 
 
 def _table_file(run_dir: Path, table: str) -> Path:
-    found = sorted(run_dir.glob(f"{table}.parquet")) + sorted(run_dir.glob(f"{table}-*.arrows"))
+    found = sorted(run_dir.glob(f"{table}.parquet")) + rows.shard_files(run_dir, table)
     return found[0]
 
 
-def _rewrite(path: Path, t: pa.Table) -> None:
+def _rewrite(path: Path, t: pa.Table, table: str | None = None, batch_rows: int = 64) -> None:
+    """``t`` as the file's kind: Parquet, an Arrow IPC stream or a rows stream (whose header
+    names ``table``: by default the one of the file's name)."""
     if path.suffix == ".parquet":
         pq.write_table(t, path)
+    elif path.suffix == ".rows":
+        with open(path, "wb") as fh:
+            fh.write(msgpack.packb(rows.header(table or path.name.split("-")[0],
+                                               t.column_names)))
+            for b in t.to_batches(max_chunksize=batch_rows):
+                fh.write(rows.pack_batch([c.to_pylist() for c in b.columns]))
     else:
         with open(path, "wb") as fh, ipc.new_stream(fh, t.schema) as w:
-            w.write_table(t)
+            for b in t.to_batches(max_chunksize=batch_rows):
+                w.write_batch(b)
+
+
+def _read(path: Path) -> pa.Table:
+    """A table file as written, its own columns and types (a rows stream's types inferred)."""
+    if path.suffix == ".parquet":
+        return pq.read_table(path)
+    if path.suffix == ".arrows":
+        return ipc.open_stream(path.read_bytes()).read_all()
+    unpacker = rows.unpacker()
+    unpacker.feed(path.read_bytes())
+    try:
+        names = unpacker.unpack()["columns"]
+    except Exception as exc:  # noqa: BLE001 - an earlier damage made it unreadable
+        raise ValueError(f"{path.name}: no rows header ({type(exc).__name__})") from None
+    cols = [[] for _ in names]
+    for batch in unpacker:
+        for col, values in zip(cols, batch):
+            col += values
+    return pa.table(dict(zip(names, cols)))
 
 
 def other_schema(table: str) -> Mutation:
@@ -178,16 +212,16 @@ def other_schema(table: str) -> Mutation:
         other = rng.choice([n for n in TABLES if n != table] + ["alien"])
         t = (TABLES[other].empty_table() if other != "alien" else
              pa.table({"a": [1, 2], "b": ["x", "y"]}))
-        _rewrite(path, t)
+        _rewrite(path, t, table=other)
         return path.name
     m.__name__ = f"{table}_other_schema"
     return m
 
 
 def extra_shard(table: str) -> Mutation:
-    """A second shard beside the table, of another schema."""
+    """A second shard beside the table (of either kind), of another schema."""
     def m(run_dir: Path, rng: random.Random) -> str:
-        path = run_dir / f"{table}-otherhost-99.arrows"
+        path = run_dir / f"{table}-otherhost-99{rng.choice(rows.SHARD_SUFFIXES)}"
         t = rng.choice([pa.table({"a": [1, 2]}),
                         pa.table({"status": [1, 2], "t_sent": ["a", "b"]}),
                         pa.table({"endpoint": [[1], [2]]})])
@@ -215,8 +249,7 @@ def _wrong_column(col: pa.ChunkedArray, rng: random.Random) -> pa.Array:
 def wrong_column(table: str, column: str | None = None) -> Mutation:
     def m(run_dir: Path, rng: random.Random) -> str:
         path = _table_file(run_dir, table)
-        t = pq.read_table(path) if path.suffix == ".parquet" else ipc.open_stream(
-            path.read_bytes()).read_all()
+        t = _read(path)
         name = column or rng.choice(t.column_names)
         i = t.schema.get_field_index(name)
         t = t.set_column(i, name, _wrong_column(t.column(i), rng))
@@ -229,8 +262,7 @@ def wrong_column(table: str, column: str | None = None) -> Mutation:
 def missing_column(table: str) -> Mutation:
     def m(run_dir: Path, rng: random.Random) -> str:
         path = _table_file(run_dir, table)
-        t = pq.read_table(path) if path.suffix == ".parquet" else ipc.open_stream(
-            path.read_bytes()).read_all()
+        t = _read(path)
         _rewrite(path, t.drop_columns([rng.choice(t.column_names)]))
         return path.name
     m.__name__ = f"{table}_missing_column"
@@ -305,7 +337,7 @@ def _all_mutations(run_dir: Path) -> list[Mutation]:
     out += [endpoint_field(f, v) for f in ENDPOINT_FIELDS for v in WRONG_VALUES]
     out += [config_field(f, v) for f in CONFIG_FIELDS for v in WRONG_VALUES]
     tables = [t for t in TABLES if list(run_dir.glob(f"{t}.parquet"))
-              or list(run_dir.glob(f"{t}-*.arrows"))]
+              or rows.shard_files(run_dir, t)]
     for t in tables:
         out += [other_schema(t), extra_shard(t), wrong_column(t), missing_column(t)]
         out += [wrong_column(t, c) for c in TABLES[t].names]

@@ -54,7 +54,7 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     assert [i["what"] for i in out["incomplete"]] == ["scrape of http://127.0.0.1:9/metrics (dead)"]
     (host, off), = out["clock_offsets_ns"].items()
     assert abs(off - 3_000_000_000) < 50_000_000
-    assert not list(tmp_path.glob("*.arrows"))  # compacted
+    assert not store.shard_files(tmp_path)  # compacted
     finalize(tmp_path, meta={"run_id": "t", **out})  # the one run.json writer
     res = store.load_results(tmp_path)
     gpu = res.tables["gpu"].to_pandas()

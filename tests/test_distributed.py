@@ -19,20 +19,25 @@ from hypothesis import given, settings, strategies as st
 
 import distributed_helpers as H
 from kvbench.core import store
+from kvbench.core.rows import REQUEST_COLUMNS, shard_files
 from kvbench.core.schema import REQUESTS
 from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan
 from kvbench.runs import finalize, transport as T
 from kvbench.runs.locust import free_port
 
 
-def _batch(worker: str, ids: list[str]) -> pa.RecordBatch:
+def _cols(worker: str, ids: list[str]) -> list[list]:
+    """A requests batch as a sink hands it over: column lists in REQUEST_COLUMNS order."""
     n = len(ids)
     cols = {"run_id": ["r"] * n, "endpoint": ["e"] * n, "status": ["ok"] * n,
-            "request_id": ids, "worker": [worker] * n, "t_scheduled": [1] * n, "t_sent": [2] * n}
-    arrays = [pa.array(cols[f.name], f.type) if f.name in cols else
-              pa.array([[]] * n, f.type) if pa.types.is_list(f.type) else pa.nulls(n, f.type)
-              for f in REQUESTS]
-    return pa.RecordBatch.from_arrays(arrays, schema=REQUESTS)
+            "request_id": ids, "worker": [worker] * n, "t_scheduled": [1] * n, "t_sent": [2] * n,
+            "chunk_offsets_ns": [[]] * n, "chunk_tokens": [[]] * n}
+    return [cols.get(name, [None] * n) for name in REQUEST_COLUMNS]
+
+
+def _batch(worker: str, ids: list[str]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array(c, f.type) for c, f in zip(
+        _cols(worker, ids), REQUESTS)], schema=REQUESTS)
 
 
 def _meta(started: int, written: int, closed: bool) -> dict:
@@ -44,7 +49,7 @@ def _meta(started: int, written: int, closed: bool) -> dict:
 def test_batches_cross_once_each_and_a_silent_worker_is_named(tmp_path):
     box = T.Outbox("h1:10")
     inbox = T.Inbox(tmp_path, master_host="master")
-    box.put("requests", _batch("h1:10", ["a", "b"]))
+    box.put("requests", _cols("h1:10", ["a", "b"]))
     box.put("meta", _meta(3, 2, False))
     msgs = box.take(now=0.0)
     assert [m["seq"] for m in msgs] == [1, 2] and box.pending() == 2
@@ -55,7 +60,7 @@ def test_batches_cross_once_each_and_a_silent_worker_is_named(tmp_path):
     assert [m["seq"] for m in again] == [2]
     box.ack([inbox.receive(m, now=10.0) for m in again])
     assert box.pending() == 0 and inbox.workers["h1:10"].duplicates == 1
-    box.put("requests", _batch("h1:10", ["c"]))  # sent, never reaches the master
+    box.put("requests", _cols("h1:10", ["c"]))  # sent, never reaches the master
     box.take(now=11.0)
     inbox.close(now=20.0)  # never closed its sink: lost
     t = store.read_table(tmp_path, "requests")
@@ -66,6 +71,23 @@ def test_batches_cross_once_each_and_a_silent_worker_is_named(tmp_path):
     assert any("h1:10" in n["what"] and "1 of its requests missing" in n["why"]
                for n in meta.incomplete)
     assert not meta.interrupted  # the run itself completed
+
+
+def test_a_worker_declared_lost_that_comes_back_is_taken_whole(tmp_path):
+    box = T.Outbox("h1:10")
+    inbox = T.Inbox(tmp_path, master_host="master")
+    box.put("requests", _cols("h1:10", ["a"]))
+    box.put("meta", _meta(1, 1, False))
+    box.ack([inbox.receive(m, now=0.0) for m in box.take(now=0.0)])
+    inbox.declare_lost(inbox.workers["h1:10"], "no message for 6.0 s")
+    box.put("requests", _cols("h1:10", ["b", "c"]))
+    box.put("meta", _meta(3, 3, True))
+    box.ack([inbox.receive(m, now=7.0) for m in box.take(now=7.0)])
+    inbox.close(now=8.0)
+    st = inbox.workers["h1:10"]
+    assert st.lost is None and st.closed and st.records == 3
+    t = store.read_table(tmp_path, "requests")
+    assert sorted(t.column("request_id").to_pylist()) == ["a", "b", "c"]
 
 
 @settings(max_examples=30, deadline=None)
@@ -180,7 +202,7 @@ def test_master_and_two_workers_own_dirs_every_served_request_one_row(endpoint, 
                                           for a in meta.workers.values())
     assert sum(a["records"] for a in meta.workers.values()) == len(ids)
     # the master's directory alone holds the run; each worker's spool went once acknowledged
-    assert not [p for d in w_dirs for p in (d / "spool").rglob("*.arrows")]
+    assert not [p for d in w_dirs for p in shard_files(d / "spool", recursive=True)]
     assert not any(store.read_proc_meta(d / "spool") for d in w_dirs)
     # clocks: the skewed worker's offset was measured and its times put on the master's clock
     by_worker = {w: a for w, a in meta.workers.items()}

@@ -17,6 +17,7 @@ import pytest
 
 import distributed_helpers as H
 from kvbench.core import store
+from kvbench.core.rows import shard_files
 
 MASTER_PORT = 15557
 ENDPOINT_PORT = 18000
@@ -137,5 +138,5 @@ def test_master_and_workers_in_their_own_namespaces(namespaces, tmp_path):
     assert names[-2:] == ["requests.parquet", "run.json"] and len(names) == 4, names
     assert all(n.startswith("proc-") for n in names[:2])
     for w in ("w1", "w2"):
-        assert not list(dirs[w].rglob("*.arrows")) and not list(dirs[w].rglob("run.json"))
+        assert not shard_files(dirs[w], recursive=True) and not list(dirs[w].rglob("run.json"))
         assert not (dirs[w] / "results").exists()

@@ -12,6 +12,7 @@ import pytest
 
 import distributed_helpers as H
 from kvbench.core import store
+from kvbench.core.rows import shard_files
 from kvbench.runs.locust import free_port
 
 CONFIG = """
@@ -101,7 +102,8 @@ def test_local_workers_and_expected_workers_give_the_same_run(endpoint, tmp_path
         runs[name] = sorted(ids)
     assert runs["local"] == runs["remote"]  # the same requests, whichever way it ran
     # the remote workers kept nothing once the master had it all
-    assert not [q for i in range(2) for q in (tmp_path / f"w{i}" / "spool").rglob("*.arrows")]
+    assert not [q for i in range(2) for q in shard_files(tmp_path / f"w{i}" / "spool",
+                                                         recursive=True)]
 
 
 @pytest.mark.parametrize("args, says", [

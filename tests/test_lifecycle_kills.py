@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import stream_server as testing
-from kvbench.core.store import KILLED_IN_FLIGHT, load_results
+from kvbench.core.store import KILLED_IN_FLIGHT, load_results, shard_files
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE_RPS = 8
@@ -80,7 +80,7 @@ def test_kvbench_run_leaves_no_process_behind(tmp_path, sig):
     me = psutil.Process(run.pid)
     try:
         # serve + Locust master + 2 workers, and both workers have sent requests
-        _wait_for(lambda: len(list(run_dir.glob("starts-*.arrows"))) == 2, "the load")
+        _wait_for(lambda: len(shard_files(run_dir, "starts")) == 2, "the load")
         children = me.children(recursive=True)
         assert len(children) >= 4, [c.cmdline() for c in children]
         run.send_signal(sig)
@@ -108,7 +108,7 @@ def test_kvbench_run_leaves_no_process_behind(tmp_path, sig):
     if sig != signal.SIGKILL:
         assert signal.Signals(sig).name in res.meta.interruption
     assert res.requests.num_rows >= 2
-    assert not list(run_dir.glob("*.arrows"))  # compacted
+    assert not shard_files(run_dir)  # compacted
 
 
 def _seen(url, log):

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import stream_server as testing
-from kvbench.core.store import load_results
+from kvbench.core.store import load_results, shard_files
 from kvbench.runs.locust import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ def test_interrupted_plain_run_says_so(slow, tmp_path, sig):
     cfg = config(tmp_path, slow, tokens=200)
     p = locust(cfg, slow, tmp_path, "intr", run_time="120s")
     run_dir = tmp_path / "intr"
-    _wait_for(lambda: any(run_dir.glob("starts-*.arrows")))  # requests are in flight
+    _wait_for(lambda: shard_files(run_dir, "starts"))  # requests are in flight
     p.send_signal(sig)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 128 + sig, out[-3000:]
@@ -159,7 +159,7 @@ def test_processes_mode_sigterm_finalizes_once_on_the_master(slow, tmp_path, gro
                "127.0.0.1", "--master-bind-port", port, "--master-port", port,
                "--loglevel", "INFO", run_time="120s", users=4)
     run_dir = tmp_path / "procs"
-    _wait_for(lambda: len(list(run_dir.glob("starts-*.arrows"))) == 2)  # both workers send
+    _wait_for(lambda: len(shard_files(run_dir, "starts")) == 2)  # both workers send
     if group:
         _signal_tree(p.pid)
     else:

@@ -21,10 +21,11 @@ import pytest
 import stream_server as testing
 from kvbench.config import parse_config
 from kvbench.core.store import load_results
-from kvbench.loadgen import hooks
+from kvbench.loadgen import hooks  # noqa: F401 - registers the event listeners
 from kvbench.loadgen.context import LoadContext
 from kvbench.loadgen.job import JobUser
 from kvbench.loadgen.options import job_from_options
+from kvbench.runs import finalize as finalize_module
 from kvbench.runs.job import Job, JobStage, resolve
 
 CONFIG = {
@@ -94,8 +95,9 @@ def test_closed_loop_users_record_every_request(server, tmp_path):
 
 def test_open_loop_dispatcher_paces_and_ends_the_run(server, tmp_path, monkeypatch):
     calls = []
-    real = hooks.finalize
-    monkeypatch.setattr(hooks, "finalize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = finalize_module.finalize  # hooks imports it where a run ends
+    monkeypatch.setattr(finalize_module, "finalize",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     job = job_for(tmp_path, server, "mix", "open")
     env = environment(job.save(tmp_path / "job.json"), server)
     env.runner.start(1, spawn_rate=100)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kvbench.core.store import load_results
+from kvbench.core.store import load_results, shard_files
 from kvbench.runs.locust import free_port
 import stream_server as testing
 
@@ -109,7 +109,7 @@ def check_run(run_dir: Path, *, want_ok: bool = True):
     t = pq.read_table(run_dir / "requests.parquet")
     counts = meta["counts"]
     assert counts["requests_started"] == counts["records_written"] == t.num_rows > 0
-    assert not list(run_dir.glob("requests-*.arrows"))  # compacted
+    assert not shard_files(run_dir, "requests")  # compacted
     assert meta["endpoints"][0]["topology"] == "colocated"
     assert meta["stages"] and meta["stages"][0]["t_end_ns"] > meta["stages"][0]["t_start_ns"]
     status = t.column("status").to_pylist()

@@ -60,7 +60,7 @@ def test_finalize_a_job_from_written_shards(tmp_path):
     assert meta.config == cfg.public_dump() and meta.workloads["chat"]["requests"] == 6
     assert meta.workloads_sent["e1"]["chat"]
     assert meta.git_commit == F.source_commit() and meta.git_commit  # tests run in a checkout
-    assert not list(job.run_dir.glob("*.arrows"))  # every table compacted
+    assert not store.shard_files(job.run_dir)  # every table compacted
 
 
 def test_kv_geometry_through_the_engine_adapter(tmp_path):
@@ -124,7 +124,7 @@ def test_compaction_turns_starts_without_a_record_into_cancelled(tmp_path):
     assert sorted(lost) == [("h:1", "chat-3", "cancelled", store.KILLED_IN_FLIGHT, 203),
                             ("h:1", "chat-4", "cancelled", store.KILLED_IN_FLIGHT, 204),
                             ("h:2", "chat-0", "cancelled", store.KILLED_IN_FLIGHT, 200)]
-    assert not list(tmp_path.glob("*.arrows"))
+    assert not store.shard_files(tmp_path)
 
 
 def test_recover_a_killed_run_from_its_job_file_and_live_sidecar(tmp_path):

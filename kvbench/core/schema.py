@@ -3,11 +3,14 @@
 Layout of a run (``results/<run_id>/``):
 
 * ``requests.parquet``: one row per request started (``REQUESTS``);
-  while a run is live, each load process appends to ``requests-<host>-<pid>.arrows``
-  (an Arrow IPC stream, readable up to its last complete batch) and the shards are compacted
-  into ``requests.parquet`` at the end;
+  while a run is live, each load process appends to ``requests-<host>-<pid>.rows`` (msgpack
+  column lists with no types, ``kvbench.core.rows``, so the load process needs no pyarrow;
+  readable up to its last complete batch) and the shards are typed by this module and
+  compacted into ``requests.parquet`` at the end;
 * ``gpu.parquet``: telemetry samples per GPU (``GPU``), from NVML or the DCGM exporter;
 * ``engine.parquet``: raw engine ``/metrics`` samples (``ENGINE``), counters kept raw;
+  while a run is live, the collectors append GPU and engine samples (the OTLP receiver its
+  ``SPANS``) to ``<table>-<host>-<pid>.arrows`` (Arrow IPC streams), compacted the same way;
 * ``run.json``: resolved config, versions, git commit, hosts, clock offsets, start/end,
   what was incomplete and why; ``schema_version`` must equal ``SCHEMA_VERSION``.
 

@@ -22,49 +22,39 @@
 * ``workloads``: {name: describe()}; ``workloads_sent``: {endpoint: {workload: describe()}}.
 
 ``RunMeta`` is the typed view of run.json; ``runs.finalize`` is its one writer. Tables are read
-through ``scan`` (record batches, parquet then live shards, conformed to the schema) and written
-through ``ShardWriter`` (append-only Arrow IPC shards, one per process and table; the load
-processes also write each request's start, ``STARTS``, which ``compact`` folds in).
+through ``scan`` (record batches, parquet then live shards, conformed to the schema). Live
+shards are written one per process and table, append-only: the collectors' by ``ShardWriter``
+(Arrow IPC, ``.arrows``), the load processes' by ``core.rows.RowShardWriter`` (msgpack rows,
+``.rows``, without pyarrow), which also write each request's start, ``STARTS``, that
+``compact`` folds in.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import socket
 import subprocess
 import threading
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from kvbench.core import rows
 from kvbench.core.errors import DataError
+# the pyarrow-free helpers a load process uses, kept importable from here
+from kvbench.core.rows import (START_COLUMNS, new_run_id, shard_files,  # noqa: F401
+                               shard_stem, worker_name, write_proc_meta)
 from kvbench.core.schema import REQUESTS, SCHEMA_VERSION, STATUSES, TABLES
 
-# A request's start, written as it is sent (``starts-<host>-<pid>.arrows``): the columns of
-# REQUESTS known before the response. ``compact`` turns a start with no record into a
-# ``cancelled`` record, so a killed load process leaves a trace of what it had in flight.
-START_COLUMNS = ("run_id", "endpoint", "topology", "workload", "request_class", "stage",
-                 "request_id", "session_id", "turn", "worker", "prompt_tokens_client",
-                 "shared_prefix_tokens", "max_tokens", "t_scheduled", "t_sent")
-STARTS = pa.schema([REQUESTS.field(n) for n in START_COLUMNS])
+STARTS = pa.schema([REQUESTS.field(n) for n in START_COLUMNS])  # rows.START_COLUMNS, typed
 SHARD_SCHEMAS = {**TABLES, "starts": STARTS}
 KILLED_IN_FLIGHT = "in flight when the load process was killed"
-
-
-def new_run_id(suite: str = "default") -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{suite}-{os.getpid() % 10000:04d}"
-
-
-def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
@@ -323,14 +313,8 @@ def check_run_json(data, source: Path | str = "run.json") -> None:
 # --------------------------------------------------------------------------- writing tables
 
 
-def shard_stem(host: str | None = None, pid: int | None = None) -> str:
-    """``<host>-<pid>`` with the host made file-name safe: one shard per process and table."""
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host or socket.gethostname())
-    return f"{host}-{pid or os.getpid()}"
-
-
 class ShardWriter:
-    """The one writer of table shards: appends record batches to
+    """The writer of Arrow table shards (collectors, OTLP spans): appends record batches to
     ``<run_dir>/<table>-<host>-<pid>[-<tag>].arrows``, an Arrow IPC stream flushed after each
     batch, so a killed process keeps every complete batch (``scan`` reads up to the last).
     Thread-safe; the file is created with the first batch (or by ``open``)."""
@@ -379,17 +363,6 @@ class ShardWriter:
                 self._writer.close()
                 self._fh.close()
                 self._writer = self._fh = None
-
-
-def write_proc_meta(run_dir: Path | str, meta: dict, stem: str | None = None) -> Path:
-    """A load process's sidecar ``proc-<host>-<pid>.json`` (counts, stages, incomplete), read
-    by whoever finalizes the run; ``stem``: another process's (a master writing the sidecar a
-    worker sent it)."""
-    path = Path(run_dir) / f"proc-{stem or shard_stem()}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, default=str))
-    os.replace(tmp, path)
-    return path
 
 
 def read_proc_meta(run_dir: Path | str) -> list[dict]:
@@ -516,39 +489,101 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema, columns: Sequence[str] | 
 
 
 def _shard_batches(run_dir: Path, table: str) -> Iterator[tuple[Path, pa.RecordBatch]]:
-    """Every complete batch of every ``<table>-*.arrows`` shard, with its file (a killed
-    writer loses only its unfinished batch; an empty file is a process that wrote nothing).
-    A file that is not an Arrow stream, or one of another schema, is a ``DataError``."""
-    for shard in sorted(run_dir.glob(f"{table}-*.arrows")):
+    """Every complete batch of every ``<table>-*`` shard (``.arrows``: Arrow IPC, written by
+    the collectors and older runs; ``.rows``: a load process's msgpack rows, ``core.rows``),
+    with its file (a killed writer loses only its unfinished batch; an empty file is a process
+    that wrote nothing). A file that is not a stream of its kind, or one of another table or
+    schema, is a ``DataError``."""
+    for shard in shard_files(run_dir, table):
         try:
-            with open(shard, "rb") as fh:
-                head = fh.read(4)
-                if not head:
-                    continue
-                if head != _IPC_MARKER:
-                    raise DataError(f"{shard}: not an Arrow IPC stream (a {table} shard starts "
-                                    "with one); remove it or restore the run's own file")
-                fh.seek(0)
-                try:
-                    reader = ipc.open_stream(fh)
-                except (pa.ArrowInvalid, OSError):
-                    continue  # killed while writing the schema: no records in it
-                check_schema(reader.schema, table, shard)
-                while True:
-                    try:
-                        batch = reader.read_next_batch()
-                    except StopIteration:
-                        break
-                    except (pa.ArrowInvalid, OSError):
-                        break  # truncated mid-batch: keep what was read
-                    try:
-                        batch.validate(full=True)
-                    except pa.ArrowInvalid:
-                        break  # a batch cut or damaged at the end: keep what was read
+            if shard.suffix == rows.ROWS_SUFFIX:
+                for batch in _rows_batches(shard, table):
+                    yield shard, batch
+            else:
+                for batch in _arrows_batches(shard, table):
                     yield shard, batch
         except OSError as exc:
             raise DataError(f"{shard}: cannot be read ({exc.strerror or exc}); check its "
                             "permissions or remove it") from None
+
+
+def _arrows_batches(shard: Path, table: str) -> Iterator[pa.RecordBatch]:
+    with open(shard, "rb") as fh:
+        head = fh.read(4)
+        if not head:
+            return
+        if head != _IPC_MARKER:
+            raise DataError(f"{shard}: not an Arrow IPC stream (a {table} shard starts "
+                            "with one); remove it or restore the run's own file")
+        fh.seek(0)
+        try:
+            reader = ipc.open_stream(fh)
+        except (pa.ArrowInvalid, OSError):
+            return  # killed while writing the schema: no records in it
+        check_schema(reader.schema, table, shard)
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (pa.ArrowInvalid, OSError):
+                break  # truncated mid-batch: keep what was read
+            try:
+                batch.validate(full=True)
+            except pa.ArrowInvalid:
+                break  # a batch cut or damaged at the end: keep what was read
+            yield batch
+
+
+_UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
+
+
+def _rows_batches(shard: Path, table: str) -> Iterator[pa.RecordBatch]:
+    """The batches of a ``.rows`` shard as record batches of the header's columns that the
+    table has (typed by its schema; columns it does not know are left out, as in an Arrow
+    shard). A batch cut at the end (a kill) ends the file silently; anything else that does
+    not read is a ``DataError`` naming the file."""
+    schema = SHARD_SCHEMAS[table]
+    with open(shard, "rb") as fh:
+        first = fh.read(1)
+        if not first:
+            return  # a process that wrote nothing
+        fh.seek(0)
+        unpacker = rows.unpacker(fh)
+        try:
+            head = next(unpacker) if rows.starts_with_map(first) else None
+        except StopIteration:
+            return  # killed while writing the header: no records in it
+        except _UNPACK_ERRORS:
+            head = None
+        problem = rows.header_problem(head, table)
+        if problem:
+            raise DataError(f"{shard}: {problem}; remove it or restore the run's own file")
+        names = head["columns"]
+        known = [(i, schema.field(n)) for i, n in enumerate(names) if n in schema.names]
+        have = pa.schema([f for _, f in known])
+        check_schema(have, table, shard)
+        while True:
+            try:
+                batch = next(unpacker)
+            except StopIteration:
+                return  # the end, or a batch cut by a kill: everything before it is kept
+            except _UNPACK_ERRORS as exc:
+                raise DataError(f"{shard}: damaged after its first {unpacker.tell()} bytes "
+                                f"({exc}); restore the run's own file, or remove it") from None
+            problem = rows.batch_problem(batch, len(names))
+            if problem:
+                raise DataError(f"{shard}: {problem}; the file is damaged: restore the run's "
+                                "own file, or remove it")
+            arrays = []
+            for i, f in known:
+                try:
+                    arrays.append(pa.array(batch[i], type=f.type))
+                except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                    raise DataError(f"{shard}: column {f.name} does not read as {f.type} "
+                                    f"({str(exc).splitlines()[0][:160]}); restore the run's "
+                                    "own file") from None
+            yield pa.RecordBatch.from_arrays(arrays, schema=have)
 
 
 def _parquet_batches(pfile: Path, table: str, read_cols: Sequence[str] | None,
@@ -615,13 +650,13 @@ def read_shards(run_dir: Path | str, table: str) -> pa.Table:
 
 
 def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
-    """Merge ``<table>-*.arrows`` shards (and an existing parquet) into ``<table>.parquet``;
-    for requests, each start with no record (its process was killed) becomes a ``cancelled``
-    record (``unfinished_starts``) and the start shards go too."""
+    """Merge ``<table>-*`` shards (``.arrows`` and ``.rows``, and an existing parquet) into
+    ``<table>.parquet``; for requests, each start with no record (its process was killed)
+    becomes a ``cancelled`` record (``unfinished_starts``) and the start shards go too."""
     run_dir = Path(run_dir)
-    shard_files = sorted(run_dir.glob(f"{table}-*.arrows"))
-    start_files = sorted(run_dir.glob("starts-*.arrows")) if table == "requests" else []
-    if not shard_files and not start_files:
+    table_files = shard_files(run_dir, table)
+    start_files = shard_files(run_dir, "starts") if table == "requests" else []
+    if not table_files and not start_files:
         return 0
     t = read_table(run_dir, table)
     if start_files:
@@ -632,7 +667,7 @@ def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
     pq.write_table(t, tmp, compression="zstd")
     os.replace(tmp, run_dir / f"{table}.parquet")
     if remove_shards:
-        for s in shard_files + start_files:
+        for s in table_files + start_files:
             s.unlink(missing_ok=True)
     return t.num_rows
 

@@ -232,7 +232,7 @@ def recover(run_dir: Path | str) -> store.RunMeta | None:
         return None
     job_files = sorted(run_dir.glob("job-*.json"))
     metas = store.read_proc_meta(run_dir)
-    if not (job_files or metas or any(run_dir.glob("*.arrows"))):
+    if not (job_files or metas or store.shard_files(run_dir)):
         return None
     runner = run_dir / RUNNER_FILE
     try:

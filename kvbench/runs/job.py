@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from kvbench.core import redact
 from kvbench.core.errors import UserError
-from kvbench.core.store import new_run_id
+from kvbench.core.rows import new_run_id
 
 SECRET_HEADERS_ENV = "KVBENCH_SECRET_HEADERS"
 FOREVER_S = 3600.0 * 24  # a stage with no end: the run ends on Locust's --run-time

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.core import redact
+from kvbench.core import redact, rows
 from kvbench.core.errors import UserError
 from kvbench.runs import lifeline
 from kvbench.runs.job import Job
@@ -159,7 +159,7 @@ def run(job: Job, processes: int = 1, dist: Distributed | None = None) -> Outcom
             for w in workers:
                 if w.poll() is None:
                     stop(w)
-            if spool is not None and not any(spool.rglob("*.arrows")):
+            if spool is not None and not rows.shard_files(spool, recursive=True):
                 shutil.rmtree(spool, ignore_errors=True)  # all acknowledged: nothing to keep
             _scrub(log_path)
     return Outcome(rc, _error(log_path, rc, job), log_path)

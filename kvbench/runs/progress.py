@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.core.store import shard_stem
+from kvbench.core.rows import shard_stem
 
 LIVE_PREFIX = "live-"
 POLL_S = 0.5

@@ -1,12 +1,15 @@
 """Records that travel from Locust workers to their master, with no shared disk (issue 15): the
-pure parts, free of Locust and gevent (``kvbench.loadgen.distributed`` does the messaging).
+pure parts, free of Locust, gevent and pyarrow (``kvbench.loadgen.distributed`` does the
+messaging).
 
 A worker's sink writes each batch to its own local spool as before and also hands it to an
-``Outbox``: the batch, as Arrow IPC stream bytes (LZ4), gets the next sequence number and stays
-in memory until the master acknowledges that number. The master's ``Inbox`` writes each batch
-it has not seen to the run's shards (one per worker: ``requests-<master>-<worker>.arrows``,
-through ``ShardWriter``), each sidecar a worker sends as that worker's ``proc-<worker>.json``,
-and answers with the numbers it holds. Finalize then reads the master's run directory alone.
+``Outbox``: the batch's column lists, packed as a one-batch rows stream (``kvbench.core.rows``:
+a msgpack header naming the columns, then the batch), get the next sequence number and stay in
+memory until the master acknowledges that number. The master's ``Inbox`` checks each batch it
+has not seen and appends it, as it came, to the run's rows shards (one per worker:
+``requests-<master>-<worker>.rows``, through ``RowShardWriter``), each sidecar a worker sends as
+that worker's ``proc-<worker>.json``, and answers with the numbers it holds. Finalize then reads
+the master's run directory alone, converting the rows to Parquet.
 
 A worker that falls silent (killed, its host gone) is declared lost by the master: its sidecar
 is closed with a ``lost`` account, ``missing`` = the requests it had started by its last sidecar
@@ -28,10 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.ipc as ipc
-
-from kvbench.core import store
+from kvbench.core import rows
 
 RECORDS_MSG = "kvbench_records"  # worker -> master: {w, seq, kind, data}
 ACK_MSG = "kvbench_ack"  # master -> worker: {seqs: [...]}
@@ -40,23 +40,49 @@ PONG_MSG = "kvbench_clock_reply"  # worker -> master: {w, t0, t_w}
 KINDS = ("requests", "starts", "meta")
 RESEND_AFTER_S = 5.0  # an unacknowledged batch is sent again after this long
 SILENT_LOST_S = 5.0  # a worker that sent nothing for this long (sidecars come every 0.5 s) is lost
-_IPC_OPTIONS = ipc.IpcWriteOptions(compression="lz4")
 
 
-def encode(batch: pa.RecordBatch) -> bytes:
-    """One record batch as Arrow IPC stream bytes (LZ4-compressed buffers)."""
-    sink = pa.BufferOutputStream()
-    with ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as w:
-        w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+def encode(kind: str, cols) -> bytes:
+    """One batch (its column lists, in ``rows.COLUMNS[kind]`` order) as a rows stream."""
+    return rows.pack(kind, rows.COLUMNS[kind], cols)
 
 
-def decode(data: bytes) -> list[pa.RecordBatch]:
-    return list(ipc.open_stream(pa.py_buffer(data)))
+def decode(kind: str, data: bytes) -> tuple[list[str], bytes, int]:
+    """A batch's rows stream, checked: (its column names, the batch as packed, its rows). The
+    batch is walked, not unpacked (a third of the cost): one list of the header's columns,
+    each a list of one length, every value whole msgpack. A stream that is not one such batch
+    of ``kind`` is a ``ValueError``."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"a {kind} batch that is not bytes")
+    unpacker = rows.unpacker()
+    unpacker.feed(data)
+    try:
+        head = unpacker.unpack()
+        problem = rows.header_problem(head, kind)
+        if problem:
+            raise ValueError(problem)
+        start = unpacker.tell()
+        if unpacker.read_array_header() != len(head["columns"]):
+            raise ValueError(f"a batch that is not a list of its {len(head['columns'])} columns")
+        lengths = set()
+        for _ in head["columns"]:
+            n = unpacker.read_array_header()
+            lengths.add(n)
+            for _ in range(n):
+                unpacker.skip()
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - msgpack's errors: OutOfData, FormatError, ...
+        raise ValueError(f"a {kind} batch that does not unpack ({type(exc).__name__})") from None
+    if len(lengths) > 1:
+        raise ValueError("a batch whose columns are not lists of one length")
+    if unpacker.tell() != len(data):
+        raise ValueError("a batch with bytes after it")
+    return head["columns"], bytes(data[start:]), lengths.pop() if lengths else 0
 
 
 def stem_of(worker: str) -> str:
-    """A worker name ``host:pid`` as a file-name part, as ``store.shard_stem`` makes it."""
+    """A worker name ``host:pid`` as a file-name part, as ``rows.shard_stem`` makes it."""
     host, _, pid = str(worker).rpartition(":")
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{host}-{pid}" if host else str(worker))
 
@@ -81,10 +107,11 @@ class Outbox:
         self.bytes_sent = 0
 
     def put(self, kind: str, payload) -> None:
-        """A batch (``pa.RecordBatch``: encoded here, off the loop) or a sidecar (dict)."""
+        """A batch (``requests``, ``starts``: its column lists in ``rows.COLUMNS[kind]``
+        order, packed here, off the loop) or a sidecar (``meta``: a dict)."""
         if kind not in KINDS:
             raise ValueError(f"unknown record kind {kind!r}")
-        data = encode(payload) if isinstance(payload, pa.RecordBatch) else copy.deepcopy(payload)
+        data = copy.deepcopy(payload) if kind == "meta" else encode(kind, payload)
         with self._lock:
             self._new.append((kind, data))
 
@@ -200,18 +227,22 @@ class Inbox:
             return seq
         if st.lost is not None:  # it came back after all: take what it sends
             st.lost = None
+            st.writers = {}  # those were closed: new ones append to the same shards
         if kind == "meta":
             self._meta(st, dict(data))
         else:
+            columns, batch, n = decode(kind, data)
             w = st.writers.get(kind)
             if w is None:
-                w = st.writers[kind] = store.ShardWriter(self.run_dir, kind, tag=stem_of(name))
-            for batch in decode(data):
-                n = w.write(batch)
-                if kind == "requests":
-                    st.records += n
-                else:
-                    st.starts += n
+                w = st.writers[kind] = rows.RowShardWriter(self.run_dir, kind, tag=stem_of(name),
+                                                           columns=columns)
+            elif list(w.columns) != columns:
+                raise ValueError(f"a {kind} batch of other columns than this worker's before")
+            n = w.write_packed(batch, n)
+            if kind == "requests":
+                st.records += n
+            else:
+                st.starts += n
             st.batches += 1
             st.bytes += len(data)
         st.seqs.add(seq)
@@ -244,7 +275,7 @@ class Inbox:
 
                 meta.setdefault("stages", []).append(_cut(open_stage, meta["updated_ns"]))
                 meta["open_stage"] = None
-        store.write_proc_meta(self.run_dir, meta, stem=stem_of(st.name))
+        rows.write_proc_meta(self.run_dir, meta, stem=stem_of(st.name))
 
     def account(self, st: WorkerState) -> dict:
         """run.json ``workers[<name>]``."""
