@@ -30,7 +30,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-import search_sim  # noqa: E402
 from search_sim import SimBackend, VirtualLoop  # noqa: E402
 
 from kvbench.config import load_config  # noqa: E402
@@ -143,54 +142,10 @@ class MixBackend(SimBackend):
             await self.cluster.submit(seq, None, None)
             await wait(seq, lambda: seq.finished)
 
-    async def _request(self, row: dict) -> None:
+    def _shape(self, row: dict) -> tuple[int, list[int], int]:
         cls, n_prompt, hashes, max_tokens = next(self.src)
         row["class"] = cls
-        self.rid += 1
-        t = self.loop.time()
-        seq = Seq(f"r{self.rid}", n_prompt, hashes, max_tokens, t)
-        try:
-            await self.cluster.submit(seq, None, None)
-            await wait(seq, lambda: seq.generated > 0 or seq.finished)
-            row["ttft_ms"] = (seq.t_first - t) * 1e3 if seq.t_first is not None else None
-            await wait(seq, lambda: seq.finished)
-            row["e2e_ms"] = (self.loop.time() - t) * 1e3
-            row["t_done"] = self.loop.time()
-            if row["ttft_ms"] is not None and seq.generated > 1:
-                row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (seq.generated - 1)
-            row["ok"] = seq.error is None
-            row["done"] = True
-        except asyncio.CancelledError:
-            seq.cancelled = True
-            row["cancelled"] = True
-            row["done"] = True
-            raise
-
-    def frames(self, index: int):
-        import pandas as pd
-
-        rows = [r for r in self.reqs.get(index, []) if "class" in r]
-        done = [r for r in rows if r["done"]]
-        pend = [r for r in rows if not r["done"]]
-
-        def frame(rs, pending=False):
-            if not rs:
-                return None
-            ok = np.array([r["ok"] for r in rs], bool)
-            lat = {k: np.array([np.nan if r[k] is None else r[k] for r in rs], float)
-                   for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
-            classes = [r["class"] for r in rs]
-            met = np.array([bool(search_sim.within({k: v[i:i + 1] for k, v in lat.items()},
-                                                   self.slo.get(c, {}))[0])
-                            for i, c in enumerate(classes)], bool)
-            return pd.DataFrame({
-                "request_class": classes, "has_slo": [c in self.slo for c in classes],
-                "ok": ok & ~pending, "t_scheduled": np.array([r["t"] for r in rs], float),
-                "cancelled": np.array([r["cancelled"] for r in rs], bool) | pending,
-                **lat, "slo_met": ok & met})
-
-        load = super().frames(index)[2]
-        return frame(done), frame(pend, True), load
+        return n_prompt, hashes, max_tokens
 
 
 def searched(topology: str, options: dict, reqs, slo, spec: dict, seed: int,

@@ -137,8 +137,9 @@ class SimBackend:
 
     def frames(self, index: int):
         rows = self.reqs.get(index, [])
-        done = [r for r in rows if r["done"]]
-        pend = [r for r in rows if not r["done"]]
+        shaped = [r for r in rows if "class" in r]  # every request that reached the endpoint
+        done = [r for r in shaped if r["done"]]
+        pend = [r for r in shaped if not r["done"]]
 
         def frame(rs, pending=False):
             if not rs:
@@ -146,11 +147,16 @@ class SimBackend:
             ok = np.array([r["ok"] for r in rs], bool)
             lat = {k: np.array([np.nan if r[k] is None else r[k] for r in rs], float)
                    for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
+            classes = np.array([r["class"] for r in rs], object)
+            met = np.zeros(len(rs), bool)
+            for c in set(classes):  # each class within its own SLOs
+                m = classes == c
+                met[m] = within({k: v[m] for k, v in lat.items()}, self.slo.get(c, {}))
             return pd.DataFrame({
-                "request_class": "chat", "has_slo": True, "ok": ok & ~pending,
-                "t_scheduled": np.array([r["t"] for r in rs], float),
+                "request_class": classes, "has_slo": [c in self.slo for c in classes],
+                "ok": ok & ~pending, "t_scheduled": np.array([r["t"] for r in rs], float),
                 "cancelled": np.array([r["cancelled"] for r in rs], bool) | pending,
-                **lat, "slo_met": ok & within(lat, self.slo["chat"])})
+                **lat, "slo_met": ok & met})
 
         now = self.loop.time()
         t0 = self.t_start[index]
@@ -188,12 +194,17 @@ class SimBackend:
             self.reqs[index].append(row)
             self.tasks[index].append(self.loop.create_task(self._request(row)))
 
+    def _shape(self, row: dict) -> tuple[int, list[int], int]:
+        """The next request's (prompt tokens, KV block hashes, max tokens): a fresh prompt
+        of the configured length (no prefix shared with any other), of class chat."""
+        row["class"] = "chat"
+        return (self.prompt, [int(x) for x in self.rng.integers(1, 2**62, self.prompt // 16)],
+                self.output)
+
     async def _request(self, row: dict) -> None:
         self.rid += 1
         t = self.loop.time()
-        seq = Seq(f"r{self.rid}", self.prompt,
-                  [int(x) for x in self.rng.integers(1, 2**62, self.prompt // 16)],
-                  self.output, t)
+        seq = Seq(f"r{self.rid}", *self._shape(row), t)
         try:
             await self.cluster.submit(seq, None, None)
             await wait(seq, lambda: seq.generated > 0 or seq.finished)
@@ -201,8 +212,8 @@ class SimBackend:
             await wait(seq, lambda: seq.finished)
             row["e2e_ms"] = (self.loop.time() - t) * 1e3
             row["t_done"] = self.loop.time()
-            if row["ttft_ms"] is not None and self.output > 1:
-                row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (self.output - 1)
+            if row["ttft_ms"] is not None and seq.generated > 1:
+                row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (seq.generated - 1)
             row["ok"] = seq.error is None
             row["done"] = True
         except asyncio.CancelledError:
