@@ -79,6 +79,8 @@ def test_a_probe_lasts_a_few_response_times():
     assert p.duration(10.0) == search.STEADY_RESIDENCES * 4.0 + 1.0
     p.residence_s = 30.0
     assert p.duration(10.0) == 40.0  # at most max_probe_s
+    assert search.Planner({**spec, "steady_residences": 0}, residence_s=30.0).duration(10.0) \
+        == 6.0  # no floor
 
 
 @pytest.fixture

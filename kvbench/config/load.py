@@ -50,6 +50,9 @@ class SearchSpec(Strict):
     max_rps: float = Field(default=10_000.0, gt=0, le=1e6)
     min_rps: float = Field(default=0.05, gt=0, le=1e6)
     settle_s: float = Field(default=30.0, ge=0, le=3600)  # most to wait for a probe's stragglers
+    # A probe lasts at least this many mean response times of the last passing rate (and the
+    # records' lag), so its second half shows whether its backlog settled; 0: no such floor
+    steady_residences: float = Field(default=3.0, ge=0, le=100)
     # Load at start_rps for this long before the first judged probe (a stage of role
     # "warmup", never judged): caches, batches and queues reach the state the probes measure
     warmup_s: float = Field(default=0.0, ge=0, le=3600)

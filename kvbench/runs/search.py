@@ -173,12 +173,13 @@ class Planner:
 
     def duration(self, rate: float) -> float:
         """A probe's length: ``probe_s``, longer at low rates to send ``min_requests``, and
-        at least ``STEADY_RESIDENCES`` mean response times (of the last passing rate) plus the
-        records' lag, so that its second half shows whether the number in flight settled
-        (``reports.capacity.not_steady``); at most ``max_probe_s``. A refinement is as long
-        again, its requests pooled with the earlier ones at its rate."""
+        at least ``steady_residences`` (default ``STEADY_RESIDENCES``) mean response times of
+        the last passing rate plus the records' lag, so that its second half shows whether the
+        number in flight settled (``reports.capacity.not_steady``); at most ``max_probe_s``. A
+        refinement is as long again, its requests pooled with the earlier ones at its rate."""
         s = self.spec
-        floor = (STEADY_RESIDENCES * self.residence_s + 1.0) if self.residence_s else 0.0
+        k = s.get("steady_residences", STEADY_RESIDENCES)
+        floor = (k * self.residence_s + 1.0) if self.residence_s and k else 0.0
         return min(max(s["probe_s"], s["min_requests"] / rate, floor), s["max_probe_s"])
 
     def next(self) -> Probe | None:
