@@ -171,9 +171,8 @@ class LoadContext:
         """Closed loop: open one keep-alive connection per user (up to 1,024) before the
         stage's loop-lag clock starts, all at once; ``adopt_warm`` hands them to the users.
         Locust starts every user together, and each opening its own connection beside the
-        others' first requests was a 13-15 ms pause of the loop at the stage's start (256
-        users: kernel time on loopback, the one pause over 10 ms of the run; issue 13).
-        Returns how many opened."""
+        others' first requests was a 10-15 ms pause of the loop at the stage's start (256
+        users, kernel time on loopback; issue 13). Returns how many opened."""
         if self.pacing != "closed" or not self.warm or self._warm_pool is not None:
             return 0
         self._warm_pool = ConnectionPool(self.target, read_timeout_s=self.timeout_s)

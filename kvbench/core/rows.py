@@ -75,6 +75,13 @@ def write_proc_meta(run_dir: Path | str, meta: dict, stem: str | None = None) ->
 SHARD_SUFFIXES = (".arrows", ROWS_SUFFIX)  # collectors and older runs write Arrow IPC shards
 
 
+def shard_path(run_dir: Path | str, table: str, suffix: str, tag: str | None = None) -> Path:
+    """This process's shard of ``table``: ``<run_dir>/<table>-<host>-<pid>[-<tag>]<suffix>``
+    (both shard writers name their files here)."""
+    stem = f"{table}-{shard_stem()}" + (f"-{tag}" if tag else "")
+    return Path(run_dir) / f"{stem}{suffix}"
+
+
 def shard_files(folder: Path | str, table: str = "*", recursive: bool = False) -> list[Path]:
     """The live shards of ``table`` (every table: ``*``) in ``folder``, of either format."""
     folder = Path(folder)
@@ -151,9 +158,7 @@ class RowShardWriter:
                  columns: Sequence[str] | None = None) -> None:
         self.table = table
         self.columns = tuple(columns if columns is not None else COLUMNS[table])
-        stem = f"{table}-{shard_stem()}"
-        self.path = Path(run_dir) / (f"{stem}-{tag}{ROWS_SUFFIX}" if tag else
-                                     f"{stem}{ROWS_SUFFIX}")
+        self.path = shard_path(run_dir, table, ROWS_SUFFIX, tag)
         self._lock = threading.Lock()
         self._fh = None
         self.rows = 0

@@ -321,8 +321,7 @@ class ShardWriter:
 
     def __init__(self, run_dir: Path | str, table: str, tag: str | None = None) -> None:
         self.schema = SHARD_SCHEMAS[table]
-        stem = f"{table}-{shard_stem()}"
-        self.path = Path(run_dir) / (f"{stem}-{tag}.arrows" if tag else f"{stem}.arrows")
+        self.path = rows.shard_path(run_dir, table, ".arrows", tag)
         self._lock = threading.Lock()
         self._fh = None
         self._writer = None
