@@ -38,8 +38,12 @@ WEIGHT_BYTES_REF = MODELS["llama-3-70b"].weight_bytes("fp8")
 HBM_BYTES_PER_S_REF = HARDWARE["h200"].hbm_bytes_per_s
 # Fraction of HBM the engine may use (vLLM's default --gpu-memory-utilization 0.9).
 GPU_MEMORY_UTILIZATION = 0.9
-# Tokens per engine step (vLLM's default max_num_batched_tokens with chunked prefill).
-STEP_TOKEN_BUDGET = 2048
+# Tokens per engine step: vLLM's default max_num_batched_tokens for its API server on GPUs of
+# 70 GiB or more other than the A100 (H100, H200: 8192; smaller GPUs: 2048), from
+# EngineArgs.get_batch_defaults in vllm/engine/arg_utils.py. A prefill chunk this long takes a
+# ~205 ms step on the reference GPU, and every running decode waits for it: the stall
+# disaggregation removes.
+STEP_TOKEN_BUDGET = 8192
 # API-server work per prompt token before scheduling (tokenize, hash blocks, serialise): 2 us.
 # Calibrated so the long-contract prefix below gives the seed's ~80 ms resident TTFT.
 FRONTEND_US_PER_PROMPT_TOKEN = 2.0
