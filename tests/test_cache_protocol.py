@@ -146,6 +146,25 @@ def test_cut_to_tokens_and_prefixes():
     assert cache.cut_to_tokens("a b c d", 2, wl.tokenizer) == "a b"
 
 
+def test_warm_primes_what_sessions_share_not_what_their_answers_will_be():
+    """An agent's later turns hold the server's own answers: only the system prompt and tool
+    schemas every session opens with are primed, once."""
+    from kvbench.workloads.agent import AgentSpec
+    from kvbench.workloads.registry import build_spec
+    from kvbench.workloads.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    wl = build_spec("agent", AgentSpec(sessions=3, turns=4), tok, 5)
+    reqs = list(wl.requests())
+    assert [r.prefix_from_responses for r in reqs if r.turn == 0] == [False] * 3
+    assert all(r.prefix_from_responses for r in reqs if r.turn > 0)
+    prefixes = cache.shared_prefixes(wl, tok)
+    assert len(prefixes) == 1  # the system message the three sessions open with
+    first = reqs[0]
+    assert tok.count_prompt(prefixes[0]) <= first.shared_prefix_tokens
+    assert tok.render_prompt(first.messages).startswith(prefixes[0])
+
+
 CONFIG = """
 [suite]
 name = "c"

@@ -85,7 +85,8 @@ class AgentSession:
             max_tokens=int(self.outs[k]), prompt_tokens=total,
             shared_prefix_tokens=shared_tokens, session_id=self.session_id, turn=k,
             prompt=prompt, messages=messages,
-            think_time_s=float(self.thinks[k]) if k else 0.0, workload=wl.name)
+            think_time_s=float(self.thinks[k]) if k else 0.0, workload=wl.name,
+            prefix_from_responses=k > 0)
 
     def feed_response(self, text: str) -> None:
         if not self._awaiting:

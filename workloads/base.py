@@ -21,6 +21,10 @@ class Request:
     arrival_offset_s: float | None = None  # open-loop arrival time from the workload/trace
     think_time_s: float = 0.0  # closed loop: wait before sending this turn
     workload: str = ""
+    # The shared prefix holds earlier responses (an agent's history, a hogwild transcript):
+    # what the server answers live, which the offline request only stands in for. A warm
+    # cache does not prime such a prefix (the live one differs).
+    prefix_from_responses: bool = False
 
     @property
     def is_chat(self) -> bool:

@@ -81,7 +81,7 @@ class HogwildSession:
             request_id=f"{self.session_id}-s{k:03d}", request_class="hogwild",
             max_tokens=int(self.outs[k]), prompt_tokens=total, shared_prefix_tokens=shared,
             session_id=self.session_id, turn=k, prompt=prompt, messages=messages,
-            workload=wl.name)
+            workload=wl.name, prefix_from_responses=bool(self.task.transcript))
 
     def feed_response(self, text: str) -> None:
         if not self._awaiting:
