@@ -9,8 +9,10 @@ threads.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -151,19 +153,20 @@ def run(args) -> int:
         total_s = sum(matrix.expected_s(j) for j in jobs)
         print(f"kvbench run: {len(jobs)} Locust run(s), about {total_s:.0f} s of load; records "
               f"in {run_dir}", flush=True)
-        for k, job in enumerate(jobs, 1):
+        def one(k: int, job, wls: dict, quiet: bool = False) -> None:
             label = job.label()
             print(f"[{k}/{len(jobs)}] {label} ...", flush=True)
             t0 = time.monotonic()
             job, state = cache.prepare(job, adapters[job.endpoint.name], job.headers(),
-                                       workloads.get(job.workload))
+                                       wls.get(job.workload))
             print(f"[{k}/{len(jobs)}] cache: {state['started_from']}", flush=True)
             cache_states.append(state)  # kept when a stop cuts the job
-            with progress.Progress(job, run_dir):  # quiet unless stdout is a terminal
+            # quiet unless stdout is a terminal; endpoints run side by side share none
+            with (contextlib.nullcontext() if quiet else progress.Progress(job, run_dir)):
                 out = (search.run(job, args.processes) if job.pacing == "search" else
                        locust.run(job, args.processes, dist))
             cache.finish(state, job, adapters[job.endpoint.name], job.headers(),
-                         workloads.get(job.workload))
+                         wls.get(job.workload))
             print(f"[{k}/{len(jobs)}] {label}: done in {time.monotonic() - t0:.1f} s, "
                   f"{finalize.records_so_far(run_dir)} records so far", flush=True)
             if out.error:
@@ -171,6 +174,13 @@ def run(args) -> int:
             if out.rc not in (0, 1):  # 1: Locust saw failed requests, which the records hold
                 notes["incomplete"].append({"what": label,
                                             "why": f"locust exited with code {out.rc}"})
+
+        if cfg.suite.parallel_endpoints and dist is None and len(sel.endpoints) > 1:
+            _side_by_side(jobs, one, lambda: {n: make_workload(n, cfg) for n in sel.workloads},
+                          locust)
+        else:
+            for k, job in enumerate(jobs, 1):
+                one(k, job, workloads)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Interrupted)
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         try:
@@ -207,6 +217,46 @@ def run(args) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 + interrupted.signum if interrupted else 0
+
+
+def _side_by_side(jobs: list, one, build_workloads, locust) -> None:
+    """``suite.parallel_endpoints``: each endpoint's jobs in order, the endpoints at once (one
+    thread each, each with its own Locust child and its own workload generators). An
+    interrupt stops every Locust child; each thread then ends with its job, its records kept.
+    The first error any thread met is raised once all have ended."""
+    lanes: dict[str, list] = {}
+    for k, job in enumerate(jobs, 1):
+        lanes.setdefault(job.endpoint.name, []).append((k, job))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def lane(items: list) -> None:
+        wls = build_workloads()
+        try:
+            for k, job in items:
+                if stop.is_set():
+                    return
+                one(k, job, wls, quiet=True)
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the main thread)
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=lane, args=(items,), name=f"kvbench-{name}",
+                                daemon=True) for name, items in lanes.items()]
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.2)
+    except BaseException:  # an interrupt reaches the main thread: stop every lane's child
+        stop.set()
+        locust.stop_all()
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
 
 
 def distributed(args):

@@ -29,6 +29,11 @@ class SuiteConfig(Strict):
     # "HOST:PORT" of a local OTLP/HTTP trace receiver kvbench run opens for the engines' spans
     # (vLLM --otlp-traces-endpoint http://HOST:PORT/v1/traces); None: no receiver
     otlp_listen: str | None = None
+    # Run each endpoint's jobs in a thread of its own, the endpoints at once (one host; not
+    # with --workers): a bake-off of N endpoints takes about 1/N of the time. The host then
+    # carries N load processes (and N built-in endpoints): the loop-lag and lateness figures
+    # say whether it kept up.
+    parallel_endpoints: bool = False
 
     @field_validator("otlp_listen")
     @classmethod

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,8 +140,8 @@ def run(job: Job, processes: int = 1, dist: Distributed | None = None) -> Outcom
     spool = None
     with open(log_path, "w") as logf:
         # its own session: a terminal's signals reach kvbench run alone, which stops it
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = track(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True))
         try:
             if dist is not None and dist.local:
                 workers, spool = _start_workers(dist, run_dir, logf, env)
@@ -156,6 +157,7 @@ def run(job: Job, processes: int = 1, dist: Distributed | None = None) -> Outcom
             stop(proc)
             raise
         finally:
+            untrack(proc)
             for w in workers:
                 if w.poll() is None:
                     stop(w)
@@ -191,6 +193,32 @@ def _scrub(log_path: Path) -> None:
             log_path.write_text(clean)
     except OSError:
         pass
+
+
+_LIVE: set = set()  # Locust children running now (kvbench run's side-by-side lanes stop them)
+_LIVE_LOCK = threading.Lock()
+
+
+def track(proc: subprocess.Popen) -> subprocess.Popen:
+    """Register a running Locust child so that ``stop_all`` reaches it."""
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
+    return proc
+
+
+def untrack(proc: subprocess.Popen) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(proc)
+
+
+def stop_all() -> None:
+    """Stop every registered Locust child (an interrupt while endpoints run side by side:
+    their threads see their children end and return, records kept)."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    for proc in procs:
+        if proc.poll() is None:
+            stop(proc)
 
 
 def stop(proc: subprocess.Popen) -> int:

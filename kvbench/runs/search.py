@@ -421,8 +421,11 @@ class LocustBackend:
     def launch(self) -> None:
         env = {**os.environ, **self.job.secret_env(), **lifeline.child_env()}
         self._logf = open(self.log_path, "w")
-        self.child = subprocess.Popen(self.cmd, stdout=self._logf, stderr=subprocess.STDOUT,
-                                      env=env, start_new_session=True)
+        from kvbench.runs import locust
+
+        self.child = locust.track(subprocess.Popen(
+            self.cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True))
 
     def alive(self) -> bool:
         return self.child.poll() is None
@@ -452,6 +455,7 @@ class LocustBackend:
         except subprocess.TimeoutExpired:
             rc = locust.stop(self.child)
         finally:
+            locust.untrack(self.child)
             self._logf.close()
             locust._scrub(self.log_path)
         return rc, locust._error(self.log_path, rc, self.job)
