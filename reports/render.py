@@ -293,6 +293,21 @@ def _per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
                                                   "endpoint"]))}
 
 
+def _ranked(rows: list[dict], key: str) -> list[dict]:
+    """``rows`` with a ``key`` figure, ranked by it within each workload (endpoints compete on
+    the same traffic only), workloads in the order they first appear; each a copy with its
+    ``rank``."""
+    order = {w: i for i, w in reversed(list(enumerate(r["workload"] for r in rows)))}
+    out = sorted((r for r in rows if r[key] is not None),
+                 key=lambda r: (order[r["workload"]], -r[key]))
+    ranked, last, k = [], None, 0
+    for r in out:
+        k = k + 1 if r["workload"] == last else 1
+        last = r["workload"]
+        ranked.append({**r, "rank": k})
+    return ranked
+
+
 def build_capacity(d: ReportData) -> dict | None:
     """The capacity search's section: per endpoint x workload the capacity at SLO with its
     bracket (last passing, first failing rate) and the attainment interval of its worst class
@@ -331,10 +346,8 @@ def build_capacity(d: ReportData) -> dict | None:
             "per_usd_text": fmt(per["capacity_per_usd_hour"]),
             "usd_per_mtok": fmt(per["usd_per_mtok"]),
             "probes": c.probes, "load_s": fmt(c.load_s)})
-    by_gpu = sorted((r for r in rows if r["per_gpu"] is not None),
-                    key=lambda r: -r["per_gpu"])
-    by_usd = sorted((r for r in rows if r["per_usd"] is not None),
-                    key=lambda r: -r["per_usd"])
+    by_gpu = _ranked(rows, "per_gpu")
+    by_usd = _ranked(rows, "per_usd")
     probes = [{"endpoint": s.get("endpoint"), "workload": s.get("workload"),
                "stage": s.get("index"), "rate": fmt(s.get("rate_rps")),
                "duration": fmt(s.get("duration_s")), "role": s["search"].get("role"),

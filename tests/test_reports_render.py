@@ -120,3 +120,15 @@ def test_user_errors(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 3
     assert "no run.json" in capsys.readouterr().err
+
+
+def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
+    from kvbench.reports.render import _ranked
+
+    rows = [{"endpoint": "a", "workload": "mix", "per_gpu": 2.0},
+            {"endpoint": "b", "workload": "mix", "per_gpu": 5.0},
+            {"endpoint": "a", "workload": "longdoc", "per_gpu": 3.0},
+            {"endpoint": "b", "workload": "longdoc", "per_gpu": 1.0},
+            {"endpoint": "c", "workload": "longdoc", "per_gpu": None}]
+    got = [(r["workload"], r["endpoint"], r["rank"]) for r in _ranked(rows, "per_gpu")]
+    assert got == [("mix", "b", 1), ("mix", "a", 2), ("longdoc", "a", 1), ("longdoc", "b", 2)]
