@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvbench import engines
 from kvbench.config import BuiltinEndpoint, parse_config
@@ -283,3 +284,21 @@ def test_verify_diagnoses_disagreement():
                      "410 (-10): another client used the endpoint during the job"]
     frame["cached_tokens"] = float("nan")
     assert "no cached_tokens" in verify(entry, frame)["findings"][0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["alpha", "b", "gamma,", "delta.", "e-f", "ünï", "", "x"]),
+                max_size=80), st.integers(0, 120))
+def test_cut_to_tokens_is_the_longest_word_prefix_that_fits(words, n):
+    from kvbench.workloads.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    text = " ".join(words)
+    got = cache.cut_to_tokens(text, n, tok)
+    if tok.count_prompt(text) <= n:
+        assert got == text
+        return
+    ws = text.split(" ")
+    best = max(k for k in range(len(ws) + 1) if tok.count_prompt(" ".join(ws[:k])) <= n
+               or k == 0)
+    assert got == " ".join(ws[:best])
