@@ -303,9 +303,24 @@ def _ranked(rows: list[dict], key: str) -> list[dict]:
     ranked, last, k = [], None, 0
     for r in out:
         k = k + 1 if r["workload"] == last else 1
+        above = ranked[-1] if k > 1 else None
         last = r["workload"]
-        ranked.append({**r, "rank": k})
+        ranked.append({**r, "rank": k, "apart": None if above is None else
+                       ("yes" if _separated(above, r, key) else
+                        f"no: its bracket overlaps {above['endpoint']}'s")})
     return ranked
+
+
+def _separated(a: dict, b: dict, key: str) -> bool:
+    """Whether ``a`` (ranked above) is shown better than ``b``: ``a``'s capacity, in ``key``'s
+    units, lies above the rate at which ``b`` failed. Otherwise the search cannot tell them
+    apart (a bracket runs from the last passing rate to the first failing one; none failing:
+    open above)."""
+    def top(r: dict) -> float:
+        fail = r.get("fail")
+        return math.inf if fail is None else fail * r[key] / r["capacity"]
+
+    return a[key] > top(b)
 
 
 def build_capacity(d: ReportData) -> dict | None:
@@ -327,6 +342,7 @@ def build_capacity(d: ReportData) -> dict | None:
         rows.append({
             "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
             "capacity": c.capacity_rps, "capacity_text": fmt(c.capacity_rps),
+            "fail": c.fail_rps,
             "bracket": (f"{fmt(c.capacity_rps)} – {fmt(c.fail_rps)}" if c.fail_rps is not None
                         else f"≥ {fmt(c.capacity_rps)}" if c.capacity_rps is not None
                         else "–"),

@@ -123,12 +123,23 @@ def test_user_errors(tmp_path, capsys):
 
 
 def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
+    """Ranked within each workload; a rank says whether the search showed the one above it
+    better (its pass above this one's failure, per GPU) or their brackets overlap."""
     from kvbench.reports.render import _ranked
 
-    rows = [{"endpoint": "a", "workload": "mix", "per_gpu": 2.0},
-            {"endpoint": "b", "workload": "mix", "per_gpu": 5.0},
-            {"endpoint": "a", "workload": "longdoc", "per_gpu": 3.0},
-            {"endpoint": "b", "workload": "longdoc", "per_gpu": 1.0},
-            {"endpoint": "c", "workload": "longdoc", "per_gpu": None}]
-    got = [(r["workload"], r["endpoint"], r["rank"]) for r in _ranked(rows, "per_gpu")]
-    assert got == [("mix", "b", 1), ("mix", "a", 2), ("longdoc", "a", 1), ("longdoc", "b", 2)]
+    def row(ep, wl, cap, fail, gpus):
+        return {"endpoint": ep, "workload": wl, "capacity": cap, "fail": fail,
+                "per_gpu": None if cap is None else cap / gpus}
+
+    rows = [row("a", "mix", 4.0, 5.1, 2), row("b", "mix", 8.0, 9.0, 1),
+            row("a", "longdoc", 8.67, 9.9, 2), row("b", "longdoc", 2.6, 3.0, 1),
+            row("c", "longdoc", None, None, 1), row("d", "mix", 1.7, None, 1)]
+    got = [(r["workload"], r["endpoint"], r["rank"], r["apart"])
+           for r in _ranked(rows, "per_gpu")]
+    assert got == [("mix", "b", 1, None), ("mix", "a", 2, "yes"),
+                   ("mix", "d", 3, "no: its bracket overlaps a's"),  # d never failed
+                   ("longdoc", "a", 1, None), ("longdoc", "b", 2, "yes")]
+    # a pass per GPU of 4.33 below the other's failure at 5.1: not shown apart
+    close = [row("a", "mix", 3.9, 5.1, 1), row("b", "mix", 8.67, 9.9, 2)]
+    assert [r["apart"] for r in _ranked(close, "per_gpu")] == [
+        None, "no: its bracket overlaps b's"]
