@@ -12,9 +12,13 @@ It answers "which class and which SLO decide each endpoint's capacity, and where
 design win": the capacity search (``pacing = "search"``) measures the same thing on the real
 path, with probes a few seconds long.
 
-    python bench/bakeoff_sim.py [--config bench.toml] [--workload mix]
-        [--rates 2,4,6,8,12,16,24] [--seconds 120] [--warmup-s 20]
+    python bench/bakeoff_sim.py [--config bench.toml] [--workload mix|longdoc] [--warm]
+        [--rates 2,4,6,8,12,16,24] [--seconds 120] [--warmup-s 20] [--search N]
         [--topologies colocated,disaggregated,offloaded] [--slo CLASS:ttft_ms=..,tpot_ms=..]
+
+Each topology runs with the options of the config's first built-in endpoint of it (the
+default's colocated is one replica), ``--options`` over them; ``--warm`` primes every shared
+prefix before each run, as ``cache = "warm"`` does.
 """
 
 from __future__ import annotations
@@ -76,8 +80,9 @@ def primes(config: Path, workload: str) -> list[tuple[int, list[int]]]:
 
 
 def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, seconds: float,
-             seed: int) -> list[dict]:
-    """One fixed-rate run from an empty cache: a row per request that arrived."""
+             seed: int, prime: list | None = None) -> list[dict]:
+    """One fixed-rate run from an empty cache (``prime``: each shared prefix sent once first,
+    as ``cache = "warm"`` does): a row per request that arrived."""
     loop = VirtualLoop()
     res = validate_options(topology, options).resolved()
     block = res.cfg.block_tokens
@@ -85,13 +90,14 @@ def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, secon
     n = int(round(rate * seconds))
     times = np.sort(rng.uniform(0, seconds, n))
     rows: list[dict] = []
+    base = {"t0": 0.0}
 
     async def one(i: int, t: float, r: tuple) -> None:
         cls, n_prompt, hashes, max_tokens = r
         if block != 16:
             raise SystemExit("the sim hashes 16-token blocks; the endpoint uses another size")
         seq = Seq(f"r{i}", n_prompt, hashes, max_tokens, loop.time())
-        row = {"class": cls, "t": t, "ttft_ms": np.nan, "tpot_ms": np.nan, "e2e_ms": np.nan,
+        row = {"class": cls, "t": t - base["t0"], "ttft_ms": np.nan, "tpot_ms": np.nan, "e2e_ms": np.nan,
                "ok": False}
         rows.append(row)
         await cluster.submit(seq, None, None)
@@ -106,13 +112,18 @@ def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, secon
 
     async def main() -> None:
         cluster.start()
+        for k, (n, hashes) in enumerate(prime or ()):
+            seq = Seq(f"prime{k}", n, hashes, 1, loop.time())
+            await cluster.submit(seq, None, None)
+            await wait(seq, lambda: seq.finished)
+        t0 = base["t0"] = loop.time()
         tasks = []
         src = itertools.cycle(reqs)
         for i, t in enumerate(times):
-            d = t - loop.time()
+            d = t0 + t - loop.time()
             if d > 0:
                 await asyncio.sleep(d)
-            tasks.append(loop.create_task(one(i, float(t), next(src))))
+            tasks.append(loop.create_task(one(i, float(t0 + t), next(src))))
         await asyncio.gather(*tasks)
         await cluster.stop()
 
@@ -204,10 +215,10 @@ def capacity(points: list[tuple[float, dict]], target: float) -> tuple[float | N
     return None, "none within the rates"
 
 
-def search_spec(config: Path, profile: str) -> dict:
+def search_spec(config: Path, profile: str, workload: str = "mix") -> dict:
     """The profile's capacity-search settings, as kvbench run hands them to the search."""
     cfg = load_config(config)
-    job = resolve(cfg, workload="mix", endpoint=cfg.endpoints[0].name, url="http://127.0.0.1:9",
+    job = resolve(cfg, workload=workload, endpoint=cfg.endpoints[0].name, url="http://127.0.0.1:9",
                   profile=profile, run_id="sim", results_dir=Path("/tmp"))
     return dict(job.search)
 
@@ -223,7 +234,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--warmup-s", type=float, default=20.0)
     ap.add_argument("--topologies", default="colocated,disaggregated,offloaded")
-    ap.add_argument("--options", default="{}", help="emulator options (JSON) for every endpoint")
+    ap.add_argument("--options", default="{}",
+                    help="emulator options (JSON) for every endpoint, over each built-in "
+                         "endpoint's own options in the config")
     ap.add_argument("--slo", action="append", default=[],
                     help="override a class's SLO: CLASS:ttft_ms=500,tpot_ms=40")
     ap.add_argument("--target", type=float, default=0.95)
@@ -231,6 +244,8 @@ def main() -> None:
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="also run the config's search profile N times per endpoint (seeds "
                          "seed..seed+N-1) and print its brackets beside the capacity above")
+    ap.add_argument("--warm", action="store_true",
+                    help='prime each shared prefix once before every run (cache = "warm")')
     ap.add_argument("--profile", default="search")
     ap.add_argument("--spec", default="{}", help="search settings (JSON) over the profile's")
     a = ap.parse_args()
@@ -241,16 +256,25 @@ def main() -> None:
         cls, _, kv = s.partition(":")
         slo[cls] = {k: float(v) for k, v in (p.split("=") for p in kv.split(","))}
     rates = [float(x) for x in a.rates.split(",")]
+    prime = primes(Path(a.config), a.workload) if a.warm else None
+    if prime:
+        print(f"warm: {len(prime)} shared prefixes, {sum(n for n, _ in prime):,} tokens, "
+              "primed before each run")
     classes = sorted({r[0] for r in reqs})
     print(f"{a.workload}: {len(reqs)} requests, classes {', '.join(classes)}; SLOs {slo}; "
           f"{a.seconds:g} s per rate, first {a.warmup_s:g} s not judged")
+    own = {}  # each topology's options as the config's first built-in endpoint of it sets them
+    for ep in load_config(Path(a.config)).endpoints:
+        if ep.kind == "builtin":
+            own.setdefault(ep.topology, dict(ep.options or {}))
     for topo in a.topologies.split(","):
-        gpus = gpu_count(validate_options(topo, json.loads(a.options)))[0]
+        options = {**own.get(topo, {}), **json.loads(a.options)}
+        gpus = gpu_count(validate_options(topo, options))[0]
         print(f"\n{topo} ({gpus} GPUs)")
         print("  rate  " + "  ".join(f"{c:>30s}" for c in classes))
         points = []
         for rate in rates:
-            t = table(run_rate(topo, json.loads(a.options), reqs, rate, a.seconds, a.seed),
+            t = table(run_rate(topo, options, reqs, rate, a.seconds, a.seed, prime),
                       slo, a.warmup_s)
             points.append((rate, t))
             cells = []
@@ -266,9 +290,9 @@ def main() -> None:
               f"{'%.2f req/s' % cap if cap is not None else 'n/a'} {per}; breaks first: {why}",
               flush=True)
         for k in range(a.search):
-            (lo, hi), trail = searched(topo, json.loads(a.options), reqs, slo,
-                                       {**search_spec(Path(a.config), a.profile),
-                                        **json.loads(a.spec)}, a.seed + k)
+            (lo, hi), trail = searched(topo, options, reqs, slo,
+                                       {**search_spec(Path(a.config), a.profile, a.workload),
+                                        **json.loads(a.spec)}, a.seed + k, prime)
             err = f" ({lo / cap - 1:+.0%})" if lo and cap else ""
             print(f"  search seed {a.seed + k}: {lo} .. {hi} req/s{err}  {trail}", flush=True)
 

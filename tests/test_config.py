@@ -101,7 +101,7 @@ def test_trace_path_is_relative_to_the_config(tmp_path):
     ('workload = "chat"', 'workload = "os:system"', "workloads.mix.components[0].workload"),
     ("sessions = 8\nturns = 4", "sessions = 8000000\nturns = 4000", "workloads.agent"),
     ("mean = 256 }", "mean = 256, sigma = 1e300 }", "workloads.rag.chunk_tokens.sigma"),
-    ('workloads = ["mix"]', "workloads = -1", "suite.workloads"),
+    ('workloads = ["mix", "longdoc"]', "workloads = -1", "suite.workloads"),
     ("max_in_flight = 256", "max_in_flight = 1e400", "profiles.ladder.max_in_flight"),
 ])
 def test_absurd_or_unknown_values_are_one_sentence(tmp_path, old, new, field):
@@ -159,13 +159,42 @@ def test_workloads_of_the_wrong_type_are_one_sentence(tmp_path, workloads):
 @pytest.mark.parametrize("value", ["0", "-1.2", "1000", "nan"])
 def test_builtin_slowdown_out_of_range_is_one_sentence(tmp_path, value):
     text = (ROOT / "bench.toml").read_text()
-    old = 'topology = "colocated"\n'
+    old = "options = { replicas = 1 }"  # the default suite's colocated endpoint
+    assert old in text
     p = tmp_path / "bench.toml"
-    p.write_text(text.replace(old, old + f"options = {{ slowdown = {value} }}\n", 1))
+    p.write_text(text.replace(old, f"options = {{ replicas = 1, slowdown = {value} }}", 1))
     with pytest.raises(UserError) as ei:
         load_config(p)
     msg = str(ei.value)
     assert msg.startswith(f"{p}: field endpoints[0].options.slowdown: slowdown is ")
     assert "1.2 makes the endpoint 20% slower" in msg and msg.count("\n") == 0
-    p.write_text(text.replace(old, old + "options = { slowdown = 1.2 }\n", 1))
+    p.write_text(text.replace(old, "options = { replicas = 1, slowdown = 1.2 }", 1))
     assert load_config(p).endpoints[0].options["slowdown"] == 1.2
+
+
+def test_a_chat_table_names_the_class_its_requests_carry(tmp_path):
+    """A second chat table (long documents) gets SLOs of its own: its requests carry its
+    request_class, a mix sends it as a class of its own, and a missing [slo.<class>] is
+    named by the start-of-run warning."""
+    from kvbench.config.parse import classes_without_slo
+    from kvbench.workloads.registry import make_workload
+
+    extra = ('[workloads.doc]\nkind = "chat"\nrequest_class = "doc"\nrequests = 20\n'
+             'prompt_tokens = { dist = "constant", mean = 3000 }\n'
+             '[workloads.both]\nkind = "mix"\nrequests = 40\n'
+             'components = [{ workload = "chat", weight = 1 }, { workload = "doc", weight = 1 }]\n')
+    cfg = load_config(_write(tmp_path, extra + "[slo.doc]\nttft_ms = 2000\n"))
+    assert cfg.slo["doc"].ttft_ms == 2000
+    assert {r.request_class for r in make_workload("doc", cfg).requests()} == {"doc"}
+    assert {r.request_class for r in make_workload("both", cfg).requests()} == {"chat", "doc"}
+    assert classes_without_slo(load_config(_write(tmp_path, extra)), ["both"]) == ["doc"]
+
+
+@pytest.mark.parametrize("name", ["mix", "trace", "Long Docs", ""])
+def test_a_reserved_or_malformed_class_name_is_one_sentence(tmp_path, name):
+    p = _write(tmp_path, f'[workloads.doc]\nkind = "chat"\nrequest_class = "{name}"\n')
+    with pytest.raises(UserError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert str(p) in msg and "workloads.doc.request_class" in msg
+    assert msg.count("\n") == 0 and msg.endswith(".")

@@ -1,4 +1,6 @@
 """Chat: short single-turn prompts with lognormal prompt and output lengths (ShareGPT-like).
+Any lengths can be configured; ``request_class`` names the class such a table's requests carry
+("chat" by default), so a second chat table (long documents, say) gets SLOs of its own.
 
 ``prompt_tokens`` is the sampled length of the whole rendered prompt (template included) when
 that length exceeds the template's own tokens; each prompt's text starts differently, so two
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvbench.workloads.base import Request, SingleTurnSession
 from kvbench.workloads.common import GeneratedWorkload, rng_for, sample
@@ -25,6 +27,16 @@ class ChatSpec(KindSpec):
                                            max=4096)
     output_tokens: LengthDist = LengthDist(dist="lognormal", mean=200, sigma=0.7, min=8,
                                            max=1024)
+    # The class these requests carry, for [slo.<class>] and every per-class figure.
+    request_class: str = Field(default="chat", pattern=r"^[a-z][a-z0-9_-]{0,31}$")
+
+    @field_validator("request_class")
+    @classmethod
+    def _class(cls, v: str) -> str:
+        if v in ("mix", "trace"):
+            raise ValueError(f"request_class {v!r} is reserved; name the class after its "
+                             "traffic, e.g. \"longdoc\"")
+        return v
 
     def planned_requests(self) -> int:
         return self.requests
@@ -56,7 +68,7 @@ class ChatWorkload(GeneratedWorkload):
             text = self.text.segment(f"{self.name}/prompt{i}", body)
             messages, prompt, total, _ = self.asm.build([("user", [Piece(text, body)])])
             rid = f"{self.name}-{i:06d}"
-            yield Request(request_id=rid, request_class="chat", max_tokens=int(outs[i]),
+            yield Request(request_id=rid, request_class=self.spec.request_class, max_tokens=int(outs[i]),
                           prompt_tokens=total, shared_prefix_tokens=0, session_id=rid,
                           prompt=prompt, messages=messages, workload=self.name)
 

@@ -92,6 +92,12 @@ def kind_of(spec: KindSpec) -> Kind:
                         f"{sorted(_KINDS)}") from None
 
 
+def class_of(spec: KindSpec) -> str:
+    """The class a table's requests carry: its own ``request_class`` where its kind lets a
+    table name one (chat), else its kind's ("mix": each request its part's)."""
+    return getattr(spec, "request_class", None) or kind_of(spec).request_class
+
+
 def request_classes() -> tuple[str, ...]:
     """The request classes the registered kinds produce (a mix produces its parts')."""
     return tuple(dict.fromkeys(k.request_class for k in kinds().values()

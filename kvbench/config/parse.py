@@ -107,7 +107,7 @@ def _with_default_slos(cfg: BenchConfig) -> BenchConfig:
 def workload_classes(cfg: BenchConfig, name: str) -> set[str]:
     """The request classes workload ``name`` sends (a mix: its parts')."""
     spec = cfg.workloads[name]
-    cls = registry.kind_of(spec).request_class
+    cls = registry.class_of(spec)
     if cls != "mix":
         return {cls}
     out: set[str] = set()
@@ -206,7 +206,7 @@ def _request_classes(cfg: BenchConfig) -> set[str]:
     """The request classes the config's workload tables produce (a mix's: its parts')."""
     classes = set()
     for spec in cfg.workloads.values():
-        cls = registry.kind_of(spec).request_class
+        cls = registry.class_of(spec)
         if cls != "mix":
             classes.add(cls)
     return classes
