@@ -74,7 +74,7 @@ def test_openai_gpus_as_configured():
 
 def test_run_json_records_gpus_and_price():
     cfg = load_config(ROOT / "bench.toml")
-    want = {"colocated": 2, "disaggregated": 2, "offloaded": 1}
+    want = {"colocated": 1, "disaggregated": 2, "offloaded": 1}  # colocated: options.replicas
     assert {e.name: e.gpus for e in cfg.endpoints} == want
     for ep in cfg.endpoints:
         assert ep.gpu_hour_cost is not None  # the example prices of the default bake-off
