@@ -339,6 +339,17 @@ class Capacity:
     load_s: float
     breaks: dict | None  # {class, missed, attainment, low, high, rate_rps} at the first fail
     at_capacity: dict | None  # {attainment low/high of the worst class, output_tps, ...}
+    # The interval the search showed: from the highest rate whose pass its bootstrap interval
+    # showed to the lowest failure above the capacity so shown (None: none shown). A rate
+    # still straddling after its refinement is settled on its estimate: it sets the capacity
+    # or the first failure, but lies inside this interval, whose ends were shown.
+    low_rps: float | None = None
+    high_rps: float | None = None
+
+    @property
+    def interval_text(self) -> str:
+        lo = "–" if self.low_rps is None else f"{self.low_rps:g}"
+        return f"{lo} – {self.high_rps:g}" if self.high_rps is not None else f"≥ {lo}"
 
 
 def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
@@ -355,15 +366,19 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
         sub = frame[(frame["endpoint"].astype(str) == ep) & (frame["workload"].astype(str) == wl)]
         # a rate's settled verdict is its last probe's (a refinement or confirmation pools
         # the earlier probes at that rate): a pass refuted by its confirmation is a failure
-        settled = {}
+        settled, shown = {}, {}
         for s in sorted(probes, key=lambda s: s["index"]):
             if s["search"].get("verdict") in ("pass", "fail"):
                 settled[s["rate_rps"]] = s["search"]["verdict"]
+                shown[s["rate_rps"]] = not s["search"].get("estimate")
         passes = [r for r, v in settled.items() if v == "pass"]
         fails = [r for r, v in settled.items() if v == "fail"]
         cap = max(passes) if passes else None
         above = [r for r in fails if cap is None or r > cap]
         fail = min(above) if above else None
+        shown_passes = [r for r in passes if shown[r]]
+        low = max(shown_passes) if shown_passes else None
+        high = min((r for r in fails if shown[r] and (low is None or r > low)), default=None)
         notes = {s["search"].get("stop") for s in probes if s["search"].get("stop")}
         status = ("no pass" if cap is None else "no failure" if fail is None else "bracketed")
         if "budget" in notes:
@@ -407,7 +422,7 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
                   "estimate": any(s["search"].get("estimate") for s in probes
                                   if s["rate_rps"] == cap)}
         out.append(Capacity(ep, wl, cap, fail, status, len(probes),
-                            float(sum(_ran_s(s) for s in probes)), breaks, at))
+                            float(sum(_ran_s(s) for s in probes)), breaks, at, low, high))
     return out
 
 

@@ -312,15 +312,18 @@ def _ranked(rows: list[dict], key: str) -> list[dict]:
 
 
 def _separated(a: dict, b: dict, key: str) -> bool:
-    """Whether ``a`` (ranked above) is shown better than ``b``: ``a``'s capacity, in ``key``'s
-    units, lies above the rate at which ``b`` failed. Otherwise the search cannot tell them
-    apart (a bracket runs from the last passing rate to the first failing one; none failing:
-    open above)."""
-    def top(r: dict) -> float:
-        fail = r.get("fail")
-        return math.inf if fail is None else fail * r[key] / r["capacity"]
+    """Whether ``a`` (ranked above) is shown better than ``b``: the lowest end of ``a``'s shown
+    interval, in ``key``'s units, lies above the top of ``b``'s (the rate at which ``b`` was
+    shown to fail). Otherwise the search cannot tell them apart (an interval runs from the
+    highest pass its bootstrap showed to the lowest failure it showed; none: open)."""
+    def per(r: dict, rate) -> float:
+        return rate * r[key] / r["capacity"]
 
-    return a[key] > top(b)
+    high = b.get("high", b.get("fail"))
+    low = a.get("low", a.get("capacity"))
+    if low is None:
+        return False
+    return high is not None and per(a, low) > per(b, high)
 
 
 def build_capacity(d: ReportData) -> dict | None:
@@ -342,10 +345,12 @@ def build_capacity(d: ReportData) -> dict | None:
         rows.append({
             "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
             "capacity": c.capacity_rps, "capacity_text": fmt(c.capacity_rps),
-            "fail": c.fail_rps,
+            "fail": c.fail_rps, "low": c.low_rps, "high": c.high_rps,
             "bracket": (f"{fmt(c.capacity_rps)} – {fmt(c.fail_rps)}" if c.fail_rps is not None
                         else f"≥ {fmt(c.capacity_rps)}" if c.capacity_rps is not None
-                        else "–"),
+                        else "–")
+            + ("" if (c.low_rps, c.high_rps) == (c.capacity_rps, c.fail_rps)
+               else f" (shown: {c.interval_text})"),
             "attainment": (f"{fmt(at.get('attainment'), 'fraction')} "
                            f"[{fmt(at.get('low'), 'fraction')}, "
                            f"{fmt(at.get('high'), 'fraction')}] ({at.get('worst_class')})"

@@ -2,8 +2,9 @@
 (``options.slowdown = 2``, same seed as A) gets a capacity well below A's, its interval wholly
 below A's (the A/A and 20%-slower claims over seeds: ``bench/search_aa.py``).
 
-The interval of a search is its bracket [highest passing rate, lowest failing rate above it]:
-the capacity was shown (and confirmed) at the first and refuted at the second. The endpoint is
+The interval of a search is the one it showed (``Capacity.low_rps``/``high_rps``): from the
+highest rate whose pass its bootstrap showed to the lowest failure it showed above that; a rate
+settled on its estimate after refinement lies inside. The endpoint is
 the built-in colocated one, shrunk (4 sequences at a time on one replica, at half the model's
 clock) so that its capacity is about 12.7 req/s with a TTFT SLO of 250 ms
 (``bench/search_truth.py``'s endpoint), and the searches use short probes, a coarse precision
@@ -75,8 +76,8 @@ def search(tmp: Path, run_id: str, seed: int, slowdown: float) -> C.Capacity:
 
 
 def interval(cap: C.Capacity) -> tuple[float, float]:
-    assert cap.capacity_rps is not None and cap.fail_rps is not None, cap
-    return cap.capacity_rps, cap.fail_rps
+    assert cap.low_rps is not None and cap.high_rps is not None, cap
+    return cap.low_rps, cap.high_rps
 
 
 @pytest.fixture(scope="module")

@@ -263,6 +263,28 @@ def test_summarise_takes_a_rates_last_verdict():
     assert (cap.capacity_rps, cap.fail_rps) == (4.0, 8.0)
 
 
+def test_the_shown_interval_leaves_rates_settled_on_their_estimates_inside():
+    """A rate still straddling after its refinement is settled on its estimate: it sets the
+    capacity (or the first failure) but the interval runs between rates the bootstrap showed,
+    so two searches of one endpoint that settled such rates differently still overlap."""
+    rows = [("chat", 30, 20, "ok")] * 40
+    f = pd.concat([frame(rows).assign(stage=i) for i in range(4)], ignore_index=True)
+    f["endpoint"], f["workload"] = "ep", "mix"
+    f["completion_tokens"] = 10.0
+    plan = [(4.0, "pass", False), (6.0, "pass", True), (7.0, "fail", True), (8.0, "fail", False)]
+    stages = [{"endpoint": "ep", "workload": "mix", "index": i, "rate_rps": r,
+               "duration_s": 5.0, "search": {"role": "bisect", "verdict": v,
+                                             **({"estimate": True} if est else {})}}
+              for i, (r, v, est) in enumerate(plan)]
+    (cap,) = C.summarise(stages, f, SLO)
+    assert (cap.capacity_rps, cap.fail_rps) == (6.0, 7.0)
+    assert (cap.low_rps, cap.high_rps) == (4.0, 8.0) and cap.interval_text == "4 – 8"
+    shown = [dict(s, search={k: v for k, v in s["search"].items() if k != "estimate"})
+             for s in stages]
+    (cap,) = C.summarise(shown, f, SLO)
+    assert (cap.low_rps, cap.high_rps) == (cap.capacity_rps, cap.fail_rps) == (6.0, 7.0)
+
+
 def test_planner_stays_within_its_budget():
     spec = dict(SPEC, budget_s=45.0, probe_s=10.0, min_requests=1)
     p, spent = search(100.0, spec)

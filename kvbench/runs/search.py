@@ -521,6 +521,7 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
                 verdict = "fail"
                 why += (f"; still straddling after {tried}, its estimate {est:.3f} under "
                         "the target: counted as failed")
+                entry["estimate"] = True
             else:
                 # as many requests as the search affords and still not conclusive: the rate
                 # sits about where the attainment crosses the target; its estimate decides,
