@@ -345,6 +345,10 @@ class Capacity:
     # or the first failure, but lies inside this interval, whose ends were shown.
     low_rps: float | None = None
     high_rps: float | None = None
+    # The capacity at SLO itself: where the attainment crosses the target between the highest
+    # passing rate and the lowest failing one (``crossing``); the highest passing rate where
+    # the search found no failure (a lower bound: status "no failure"); None: no pass
+    estimate_rps: float | None = None
 
     @property
     def interval_text(self) -> str:
@@ -352,17 +356,57 @@ class Capacity:
         return f"{lo} – {self.high_rps:g}" if self.high_rps is not None else f"≥ {lo}"
 
 
+def class_attainment(rows: pd.DataFrame) -> dict[str, float]:
+    """Each class with an SLO: the share of its requests (``rows``, request frame rows) within
+    every SLO of the class; errors and cancelled requests are misses, as in a verdict."""
+    judged = rows[rows["has_slo"].to_numpy(bool)] if len(rows) else rows
+    if not len(judged):
+        return {}
+    met = judged["slo_met"].to_numpy(bool) & judged["ok"].to_numpy(bool)
+    g = judged.assign(_met=met).groupby("request_class", observed=True)["_met"].mean()
+    return {str(k): float(v) for k, v in g.items()}
+
+
+def crossing(lo: float, hi: float, at_lo: dict, at_hi: dict, target: float = TARGET) -> float:
+    """The rate between ``lo`` (passed) and ``hi`` (failed) at which the first class's
+    attainment reaches ``target``: per class, linear in rate between its pooled attainment at
+    the two ends (``at_lo``, ``at_hi``: class -> attainment), as a fixed-rate sweep reads its
+    capacity between two of its rates; the lowest over the classes, within [lo, hi].
+
+    Why not the highest passing rate: the bisection's rates fall where the start rate and the
+    growth put them, so the pass below the crossing lies anywhere up to ``precision`` under it
+    (about half of it on average; ground truth, bench/search_truth.py: -4% median). Two
+    endpoints' highest passes differ by their grids as much as by their capacities. The
+    crossing uses the attainment measured at both ends instead; the bracket stays its
+    interval. A class at or above the target at ``hi`` does not cross in the bracket
+    (``hi``); one under it at ``lo`` (a pass settled on its estimate) crosses at ``lo``."""
+    out = hi
+    for cls in set(at_lo) | set(at_hi):
+        a, b = at_lo.get(cls, 1.0), at_hi.get(cls, 1.0)
+        if a != a or b != b or b >= target:
+            continue
+        x = lo if a <= target else lo + (a - target) / (a - b) * (hi - lo)
+        out = min(out, x)
+    return float(min(max(out, lo), hi))
+
+
 def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
               **kw) -> list[Capacity]:
     """One ``Capacity`` per searched endpoint x workload: from run.json's stages (their
-    ``search`` notes: rate and verdict each probe got) and the probes' requests (``frame``:
-    ``reports.frame.request_frame`` of the run), the bracket between the highest passing
-    rate and the lowest failing one, the class that broke first and which SLO it missed."""
+    ``search`` notes: rate and verdict each probe got, the target it was judged against) and
+    the probes' requests (``frame``: ``reports.frame.request_frame`` of the run), the bracket
+    between the highest passing rate and the lowest failing one, the capacity at SLO within
+    it (``crossing``), the class that broke first and which SLO it missed."""
     out = []
     searched = [s for s in stages if s.get("search")]
     keys = sorted({(s.get("endpoint"), s.get("workload")) for s in searched})
     for ep, wl in keys:
         probes = [s for s in searched if (s.get("endpoint"), s.get("workload")) == (ep, wl)]
+        kw_ep = dict(kw)
+        for key in ("target", "confidence"):  # the search's own, where its notes say it
+            v = next((p["search"][key] for p in probes if p["search"].get(key)), None)
+            if v is not None and key not in kw:
+                kw_ep[key] = float(v)
         sub = frame[(frame["endpoint"].astype(str) == ep) & (frame["workload"].astype(str) == wl)]
         # a rate's settled verdict is its last probe's (a refinement or confirmation pools
         # the earlier probes at that rate): a pass refuted by its confirmation is a failure
@@ -387,7 +431,7 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
         if fail is not None:
             idx = [s["index"] for s in probes if s["rate_rps"] == fail]
             rows = sub[np.isin(sub["stage"], idx)]
-            v = probe_verdict(rows, slo, **kw)
+            v = probe_verdict(rows, slo, **kw_ep)
             w = next((c for c in v.classes if c.verdict == "fail"), v.worst)
             # the class that broke is the one whose answered requests missed: a failed
             # probe's stragglers are cut once its verdict is settled, and counting them would
@@ -395,7 +439,7 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
             # bake-off named longctx where chat's TTFT had failed the probe)
             done = rows[~rows["cancelled"].to_numpy(bool)] if "cancelled" in rows else rows
             if len(done) and len(done) < len(rows):
-                vd = probe_verdict(done, slo, **kw)
+                vd = probe_verdict(done, slo, **kw_ep)
                 wd = next((c for c in vd.classes if c.verdict != "pass"), None)
                 if wd is not None and wd.missed not in (None, "errors or cut"):
                     w = wd
@@ -407,22 +451,31 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
         if cap is not None:
             idx = [s["index"] for s in probes if s["rate_rps"] == cap]
             rows = sub[np.isin(sub["stage"], idx)]
-            v = probe_verdict(rows, slo, **kw)
+            v = probe_verdict(rows, slo, **kw_ep)
             wall = sum(_ran_s(s) for s in probes if s["rate_rps"] == cap)
             out_tok = float(np.nansum(rows.loc[rows["ok"], "completion_tokens"]))
             w = v.worst
             at = {"worst_class": w.request_class if w else None,
                   "attainment": w.attainment if w else math.nan,
                   "low": w.low if w else math.nan, "high": w.high if w else math.nan,
-                  "thin": thin_text(v.classes, kw.get("target", TARGET),
-                                    kw.get("confidence", CONFIDENCE)),
+                  "thin": thin_text(v.classes, kw_ep.get("target", TARGET),
+                                    kw_ep.get("confidence", CONFIDENCE)),
                   "output_tps": out_tok / wall if wall > 0 else math.nan,
                   "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum()))),
                   # its pass is the pooled estimate's, the interval straddling the target
                   "estimate": any(s["search"].get("estimate") for s in probes
                                   if s["rate_rps"] == cap)}
+        estimate = cap
+        if cap is not None and fail is not None:
+            def pooled(rate):
+                idx = [s["index"] for s in probes if s["rate_rps"] == rate]
+                return class_attainment(sub[np.isin(sub["stage"], idx)])
+
+            estimate = crossing(cap, fail, pooled(cap), pooled(fail),
+                                kw_ep.get("target", TARGET))
         out.append(Capacity(ep, wl, cap, fail, status, len(probes),
-                            float(sum(_ran_s(s) for s in probes)), breaks, at, low, high))
+                            float(sum(_ran_s(s) for s in probes)), breaks, at, low, high,
+                            estimate))
     return out
 
 
@@ -437,17 +490,22 @@ def _ran_s(stage: dict) -> float:
 
 def per_gpu_and_cost(cap: Capacity, gpus: int | None, gpu_hour_cost: float | None) -> dict:
     """Capacity per GPU (req/s), output tokens/s per GPU and cost per million output tokens
-    at the capacity point (``gpu_hour_cost`` per GPU; None where unknown)."""
+    at the capacity at SLO (``Capacity.estimate_rps``; its output tokens/s are those measured
+    at the highest passing rate, scaled to it: the same requests, offered faster);
+    ``gpu_hour_cost`` per GPU; None where unknown."""
     out = {"capacity_per_gpu": None, "output_tps_per_gpu": None, "usd_per_mtok": None,
            "capacity_per_usd_hour": None}
-    if cap.capacity_rps is None or not gpus:
+    rps = cap.estimate_rps if cap.estimate_rps is not None else cap.capacity_rps
+    if rps is None or not gpus:
         return out
-    out["capacity_per_gpu"] = cap.capacity_rps / gpus
+    out["capacity_per_gpu"] = rps / gpus
     tps = (cap.at_capacity or {}).get("output_tps")
+    if tps is not None and cap.capacity_rps:
+        tps = tps * rps / cap.capacity_rps
     if tps is not None and tps == tps and tps > 0:
         out["output_tps_per_gpu"] = tps / gpus
         if gpu_hour_cost:
             out["usd_per_mtok"] = gpus * gpu_hour_cost / (tps * 3600) * 1e6
     if gpu_hour_cost:
-        out["capacity_per_usd_hour"] = cap.capacity_rps / (gpus * gpu_hour_cost)
+        out["capacity_per_usd_hour"] = rps / (gpus * gpu_hour_cost)
     return out

@@ -312,15 +312,17 @@ def _ranked(rows: list[dict], key: str) -> list[dict]:
 
 
 def _separated(a: dict, b: dict, key: str) -> bool:
-    """Whether ``a`` (ranked above) is shown better than ``b``: ``a``'s capacity, in ``key``'s
-    units, lies above the rate at which ``b`` failed. Otherwise the search cannot tell them
+    """Whether ``a`` (ranked above) is shown better than ``b``: the highest rate ``a`` passed,
+    in ``key``'s units, lies above the rate at which ``b`` failed (its capacity at SLO, an
+    interpolation inside its bracket, is not evidence of itself). Otherwise the search cannot tell them
     apart (a bracket runs from the last passing rate to the first failing one; none failing:
     open above). Either end may have been settled on its estimate after refinement (the
     capacity table shows the interval the bootstrap showed beside the bracket): requiring
     shown ends called every pair of the default bake-off inseparable, where the brackets
     order the long-document shape as the steady state does."""
     fail = b.get("fail")
-    return fail is not None and a[key] > fail * b[key] / b["capacity"]
+    return (fail is not None and a.get("passed") is not None
+            and a["passed"] * a[key] / a["capacity"] > fail * b[key] / b["capacity"])
 
 
 def build_capacity(d: ReportData) -> dict | None:
@@ -341,7 +343,10 @@ def build_capacity(d: ReportData) -> dict | None:
         br = c.breaks or {}
         rows.append({
             "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
-            "capacity": c.capacity_rps, "capacity_text": fmt(c.capacity_rps),
+            "capacity": c.estimate_rps, "capacity_text": (
+                fmt(c.estimate_rps) if c.fail_rps is not None or c.estimate_rps is None
+                else f"≥ {fmt(c.estimate_rps)}"),
+            "passed": c.capacity_rps,
             "fail": c.fail_rps, "low": c.low_rps, "high": c.high_rps,
             "bracket": (f"{fmt(c.capacity_rps)} – {fmt(c.fail_rps)}" if c.fail_rps is not None
                         else f"≥ {fmt(c.capacity_rps)}" if c.capacity_rps is not None

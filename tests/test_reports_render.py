@@ -127,8 +127,9 @@ def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
     better (its pass above this one's failure, per GPU) or their brackets overlap."""
     from kvbench.reports.render import _ranked
 
-    def row(ep, wl, cap, fail, gpus):
+    def row(ep, wl, cap, fail, gpus, passed=None):
         return {"endpoint": ep, "workload": wl, "capacity": cap, "fail": fail,
+                "passed": cap if passed is None else passed,
                 "per_gpu": None if cap is None else cap / gpus}
 
     rows = [row("a", "mix", 4.0, 5.1, 2), row("b", "mix", 8.0, 9.0, 1),
@@ -143,3 +144,8 @@ def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
     close = [row("a", "mix", 3.9, 5.1, 1), row("b", "mix", 8.67, 9.9, 2)]
     assert [r["apart"] for r in _ranked(close, "per_gpu")] == [
         None, "no: its bracket overlaps b's"]
+    # ranked on the capacity (the crossing inside the bracket), shown apart on what passed:
+    # a's capacity of 5.5 lies above b's failure at 5.1, the rate a passed (5.0) does not
+    near = [row("a", "mix", 5.5, 6.0, 1, passed=5.0), row("b", "mix", 4.8, 5.1, 1)]
+    assert [(r["endpoint"], r["apart"]) for r in _ranked(near, "per_gpu")] == [
+        ("a", None), ("b", "no: its bracket overlaps a's")]

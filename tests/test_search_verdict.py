@@ -317,10 +317,64 @@ def test_summarise_reads_bracket_and_breaking_class_from_stages():
     assert (cap.capacity_rps, cap.fail_rps, cap.status) == (4.0, 8.0, "bracketed")
     assert cap.breaks["class"] == "chat" and cap.breaks["missed"] == "TPOT"
     assert cap.at_capacity["output_tps"] == 800.0  # 80 answers x 100 tokens over 10 s
+    # chat within SLO: all 40 at 4 req/s, none at 8: it crosses 0.95 a twentieth of the way up
+    assert math.isclose(cap.estimate_rps, 4.2)
     per = C.per_gpu_and_cost(cap, 2, 3.0)
-    assert per["capacity_per_gpu"] == 2.0
-    # $6 an hour for 800 tokens/s: 6 / (800 * 3600) per token
-    assert math.isclose(per["usd_per_mtok"], 6 / (800 * 3600) * 1e6)
+    assert math.isclose(per["capacity_per_gpu"], 2.1)
+    # $6 an hour for 840 tokens/s (800 measured at 4 req/s, scaled to 4.2): 6 / (840 * 3600)
+    assert math.isclose(per["usd_per_mtok"], 6 / (840 * 3600) * 1e6)
+
+
+def test_the_capacity_is_where_the_attainment_crosses_the_target_inside_the_bracket():
+    """As a fixed-rate sweep reads its capacity between two of its rates: the attainment
+    pooled over every probe at the last passing and the first failing rate, linear in rate."""
+    def probe(n_ok, n_miss):
+        return [("chat", 30, 20, "ok")] * n_ok + [("chat", 900, 20, "ok")] * n_miss
+
+    parts = [(0, probe(99, 1)), (1, probe(98, 2)), (2, probe(90, 10)), (3, probe(88, 12))]
+    f = pd.concat([frame(rows).assign(stage=i) for i, rows in parts], ignore_index=True)
+    f["endpoint"], f["workload"] = "ep", "mix"
+    f["completion_tokens"] = 10.0
+    plan = [(10.0, "bisect", "pass"), (10.0, "confirm", "pass"), (11.0, "bisect", "straddle"),
+            (11.0, "refine", "fail")]
+    stages = [{"endpoint": "ep", "workload": "mix", "index": i, "rate_rps": r,
+               "duration_s": 10.0, "search": {"role": role, "verdict": v, "target": 0.95}}
+              for i, (r, role, v) in enumerate(plan)]
+    (cap,) = C.summarise(stages, f, SLO)
+    assert (cap.capacity_rps, cap.fail_rps) == (10.0, 11.0)
+    # 0.985 at 10 req/s, 0.89 at 11: 0.95 is crossed 0.035 / 0.095 of the way
+    assert math.isclose(cap.estimate_rps, 10.0 + 0.035 / 0.095)
+    # judged against the search's own target (its notes): 0.9 is crossed further up
+    lax = [dict(s, search=dict(s["search"], target=0.9)) for s in stages]
+    (cap,) = C.summarise(lax, f, SLO)
+    assert math.isclose(cap.estimate_rps, 10.0 + 0.085 / 0.095)
+    # nothing failed: the highest pass is all the search can say (a lower bound)
+    (cap,) = C.summarise(stages[:2], f, SLO)
+    assert cap.fail_rps is None and cap.estimate_rps == 10.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(lo=st.floats(0.1, 100), width=st.floats(0.01, 2.0),
+       at_lo=st.dictionaries(st.sampled_from("abc"), st.floats(0, 1), max_size=3),
+       at_hi=st.dictionaries(st.sampled_from("abc"), st.floats(0, 1), max_size=3),
+       target=st.floats(0.5, 0.99), bump=st.floats(0, 0.5))
+def test_crossing_lies_in_the_bracket_and_rises_with_attainment(lo, width, at_lo, at_hi,
+                                                                  target, bump):
+    hi = lo * (1 + width)
+    x = C.crossing(lo, hi, at_lo, at_hi, target)
+    assert lo <= x <= hi
+    # a class doing better at either end never lowers the capacity
+    for cls in at_lo:
+        better = dict(at_lo, **{cls: min(1.0, at_lo[cls] + bump)})
+        assert C.crossing(lo, hi, better, at_hi, target) >= x - 1e-9 * hi
+    for cls in at_hi:
+        better = dict(at_hi, **{cls: min(1.0, at_hi[cls] + bump)})
+        assert C.crossing(lo, hi, at_lo, better, target) >= x - 1e-9 * hi
+    # a single class is linear between its ends
+    if len(at_lo) == 1 and set(at_hi) == set(at_lo):
+        (a,), (b,) = at_lo.values(), at_hi.values()
+        if a > target > b:
+            assert math.isclose(x, lo + (a - target) / (a - b) * (hi - lo), rel_tol=1e-9)
 
 
 def test_the_class_that_broke_is_the_one_whose_answers_missed_not_the_cut_stragglers():

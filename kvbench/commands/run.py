@@ -354,8 +354,15 @@ def _capacity(frame, meta) -> None:
     caps = capacity.summarise(meta.stages or [], frame, (meta.config or {}).get("slo") or {})
     gpus = {e.get("name"): e for e in meta.endpoints or []}
     for c in caps:
-        cap = f"{c.capacity_rps:g} req/s" if c.capacity_rps is not None else "below the start"
-        fail = f", fails at {c.fail_rps:g}" if c.fail_rps is not None else ""
+        if c.capacity_rps is None:
+            cap = "below the start"
+        elif c.fail_rps is None:
+            cap = f">= {c.capacity_rps:g} req/s (passed {c.capacity_rps:g}, nothing failed)"
+        else:
+            cap = f"{c.estimate_rps:.3g} req/s"
+        fail = (f" (passed {c.capacity_rps:g}, failed {c.fail_rps:g})"
+                if c.fail_rps is not None and c.capacity_rps is not None else
+                f", fails at {c.fail_rps:g}" if c.fail_rps is not None else "")
         br = c.breaks or {}
         why = (f"; {br['class']} breaks first ({br['missed']})" if br.get("class") else "")
         ep = gpus.get(c.endpoint) or {}

@@ -548,7 +548,8 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
 
     def start(probe: Probe) -> Watch | None:
         entry = {"index": probe.index, "rate_rps": probe.rate_rps,
-                 "duration_s": probe.duration_s, "role": probe.role}
+                 "duration_s": probe.duration_s, "role": probe.role,
+                 "target": spec["target"], "confidence": spec["confidence"]}
         entries[probe.index] = entry
         state["probes"].append(entry)
         backend.publish(state)
@@ -732,6 +733,9 @@ def annotate(run_dir: Path | str, stages: list[dict]) -> list[dict]:
             note = {"role": p.get("role"), "verdict": p.get("verdict"), "why": p.get("why")}
             if p.get("estimate"):
                 note["estimate"] = True
+            for key in ("target", "confidence"):  # what the report judges it against
+                if p.get(key) is not None:
+                    note[key] = p[key]
             if stop and k == len(probes) - 1:
                 note["stop"] = stop
             notes[(path.name, p.get("index"))] = note
