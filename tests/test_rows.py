@@ -184,3 +184,40 @@ def test_the_master_checks_a_batch_before_it_appends_it(tmp_path):
         with pytest.raises(ValueError):
             inbox.receive({"w": "h:1", "seq": 1, "kind": "requests", "data": payload})
         assert not store.shard_files(inbox.run_dir), what  # nothing appended
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(st.integers(0, 1), st.lists(_rows_of(store.STARTS),
+                                                           min_size=1, max_size=4),
+                                st.integers(0, 3)), max_size=8))
+def test_a_shard_tail_reads_what_the_store_reads_as_the_shards_grow(tmp_path_factory, steps):
+    """``store.ShardTail`` (a running search's reader) parses only what was appended since its
+    last read, yet each read equals the store's whole read: two processes' shards written in
+    turn, a batch half-written when the tail reads (it appears once complete), reads at any
+    point."""
+    run_dir = tmp_path_factory.mktemp("tail")
+    writers = [rows.RowShardWriter(run_dir, "starts", tag=f"p{k}") for k in range(2)]
+    tail = store.ShardTail(run_dir, "starts")
+
+    def same():
+        got = tail.read()
+        want = store.read_starts(run_dir)
+        key = sorted(map(str, got.to_pylist())), sorted(map(str, want.to_pylist()))
+        assert key[0] == key[1] and got.schema == store.STARTS
+
+    same()
+    for k, batch, how in steps:
+        cols = [[r[c] for r in batch] for c in rows.START_COLUMNS]
+        if how == 0:  # a batch caught half-written, then finished
+            data = rows.pack_batch(cols)
+            w = writers[k]
+            w.write_packed(data[: len(data) // 2], 0)
+            same()
+            w.write_packed(data[len(data) // 2:], len(batch))
+        else:
+            writers[k].write(cols)
+        if how != 3:
+            same()
+    same()
+    for w in writers:
+        w.close()

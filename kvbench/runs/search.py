@@ -226,13 +226,22 @@ class Result:
     probes: list  # [{index, rate_rps, role, verdict, why, ...}]
 
 
-def _frames(run_dir: Path, job, index: int, slo: dict):
-    """(finished records, still-running starts) of probe ``index`` as request frames."""
+def _record_columns() -> list[str]:
+    """The record columns a probe's verdict reads."""
+    from kvbench.reports.frame import FRAME_COLUMNS
+
+    return sorted(set(FRAME_COLUMNS) | {"chunk_offsets_ns", "request_id", "worker"})
+
+
+def _frames(run_dir: Path, job, index: int, slo: dict, tails: dict | None = None):
+    """(finished records, still-running starts) of probe ``index`` as request frames.
+    ``tails``: ``store.ShardTail`` of "requests" and "starts" kept between calls (each call
+    then parses only what was written since the last; without them every shard is read)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from kvbench.reports.frame import FRAME_COLUMNS, request_frame
+    from kvbench.reports.frame import request_frame
 
     def mine(t):
         m = pc.and_(pc.and_(pc.equal(t.column("endpoint"), job.endpoint.name),
@@ -240,9 +249,12 @@ def _frames(run_dir: Path, job, index: int, slo: dict):
                     pc.equal(t.column("stage"), index))
         return t.filter(m)
 
-    cols = sorted(set(FRAME_COLUMNS) | {"chunk_offsets_ns", "request_id", "worker"})
-    recs = mine(store.read_table(run_dir, "requests", cols, parquet=False))
-    starts = mine(store.read_starts(run_dir))
+    cols = _record_columns()
+    if tails is not None:
+        recs, starts = mine(tails["requests"].read()), mine(tails["starts"].read())
+    else:
+        recs = mine(store.read_table(run_dir, "requests", cols, parquet=False))
+        starts = mine(store.read_starts(run_dir))
     done_ids = set(zip(recs.column("worker").to_pylist(), recs.column("request_id").to_pylist()))
     keep = [(w, r) not in done_ids for w, r in zip(starts.column("worker").to_pylist(),
                                                    starts.column("request_id").to_pylist())]
@@ -423,6 +435,8 @@ class LocustBackend:
         self.log_path = self.run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
         self.child = None
         self._logf = None
+        self.tails = {"requests": store.ShardTail(self.run_dir, "requests", _record_columns()),
+                      "starts": store.ShardTail(self.run_dir, "starts")}
 
     def publish(self, state: dict) -> None:
         _write(self.ctl, state)
@@ -443,7 +457,7 @@ class LocustBackend:
         return _wait_started(self.run_dir, self.job, index, self.child)
 
     def frames(self, index: int):
-        return _frames(self.run_dir, self.job, index, self.slo)
+        return _frames(self.run_dir, self.job, index, self.slo, self.tails)
 
     def e2e_mean_s(self, index: int) -> float | None:
         return _e2e_mean_s(self.run_dir, self.job, index)
