@@ -24,8 +24,15 @@ second that two busy cores can offer and measure (``--max-num-seqs`` sequences a
 one replica, at ``--time-scale``), with a chat workload of fixed lengths and a TTFT SLO: the
 capacity is where queueing for a slot pushes more than 5% of first tokens past the SLO.
 
-Run: ``python bench/search_truth.py`` (about 13 minutes), ``--quick`` (about 8);
-``--reuse`` re-reads the runs already in ``--out`` (their run.json present).
+The sweep is long because the truth needs it: near capacity misses come in queue bursts, so
+an attainment is uncertain over seconds and the crossing moves with it. 50-s stages put it at
+32.54 req/s with the sweep's own interval at its last passing rate [0.935, 0.981]; 150-s stages
+at 31.89 (2026-12-02). The search then gets a quarter of that sweep's load, with 20-28 s probes.
+
+Run: ``python bench/search_truth.py`` (about 33 minutes: a 16-minute sweep, five searches of
+3-4 minutes), ``--skip-sweep --truth 31.889`` for the searches alone, ``--quick`` (a 50-s
+sweep, 10-14 s probes; about 11 minutes); ``--reuse`` re-reads the runs already in ``--out``
+(their run.json present).
 """
 
 from __future__ import annotations
@@ -168,13 +175,13 @@ def truth_from(points: list[dict], target: float) -> tuple[float | None, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="6 sweep rates from 11 to 14.5 req/s and 3 repeats (about 8 minutes)")
+                    help="50-s sweep stages, 10-14 s probes and 3 repeats (about 11 minutes)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed-base", type=int, default=1)
-    ap.add_argument("--sweep-lo", type=float, default=25.0, help="lowest sweep rate, req/s")
-    ap.add_argument("--sweep-hi", type=float, default=37.0, help="highest sweep rate, req/s")
-    ap.add_argument("--sweep-n", type=int, default=9, help="sweep rates (geometric)")
-    ap.add_argument("--stage-s", type=float, default=50.0,
+    ap.add_argument("--sweep-lo", type=float, default=27.0, help="lowest sweep rate, req/s")
+    ap.add_argument("--sweep-hi", type=float, default=35.0, help="highest sweep rate, req/s")
+    ap.add_argument("--sweep-n", type=int, default=6, help="sweep rates (geometric)")
+    ap.add_argument("--stage-s", type=float, default=150.0,
                     help="each sweep rate's judged load, s (after --warmup-s)")
     ap.add_argument("--warmup-s", type=float, default=5.0,
                     help="each sweep run's first seconds, left out of its attainment and load "
@@ -186,8 +193,8 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--ttft-ms", type=float, default=100.0)
     ap.add_argument("--start-rps", type=float, default=7.5, help="the search's first probe")
-    ap.add_argument("--probe-s", type=float, default=10.0)
-    ap.add_argument("--max-probe-s", type=float, default=14.0)
+    ap.add_argument("--probe-s", type=float, default=20.0)
+    ap.add_argument("--max-probe-s", type=float, default=28.0)
     ap.add_argument("--precision", type=float, default=0.05)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="the search's budget, s (default: a quarter of the sweep's "
@@ -201,6 +208,7 @@ def main() -> None:
     if a.quick:
         # the budget is a quarter of the sweep: fewer rates, nearer the capacity, as long each
         a.sweep_lo, a.sweep_hi, a.sweep_n, a.stage_s = 27.0, 35.0, 6, 50.0
+        a.probe_s, a.max_probe_s = 10.0, 14.0
         a.repeats = min(a.repeats, 3)
     rates = [float(f"{a.sweep_lo * (a.sweep_hi / a.sweep_lo) ** (i / max(1, a.sweep_n - 1)):.3g}")
              for i in range(a.sweep_n)]
