@@ -80,12 +80,11 @@ def main() -> None:
         # an end the search never showed is open: no shown pass reaches down to 0, no shown
         # failure up to infinity
         num = {n: (lo or 0.0, math.inf if hi is None else hi) for n, (lo, hi) in iv.items()}
-        complete = True
         overlap = max(num["A"][0], num["A'"][0]) <= min(num["A"][1], num["A'"][1])
         caps = {"A": ca, "A'": cb}
         # capacities compared: each search's capacity at SLO (Capacity.estimate_rps, the
         # crossing inside its bracket; the report ranks on it)
-        apart = {n: complete and num["slow"][1] < num[n][0] and cs.estimate_rps is not None
+        apart = {n: num["slow"][1] < num[n][0] and cs.estimate_rps is not None
                  and caps[n].estimate_rps is not None
                  and cs.estimate_rps <= 0.85 * caps[n].estimate_rps for n in ("A", "A'")}
         below = apart["A"] and apart["A'"]

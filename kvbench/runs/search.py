@@ -233,10 +233,10 @@ def _record_columns() -> list[str]:
     return sorted(set(FRAME_COLUMNS) | {"chunk_offsets_ns", "request_id", "worker"})
 
 
-def _frames(run_dir: Path, job, index: int, slo: dict, tails: dict | None = None):
-    """(finished records, still-running starts) of probe ``index`` as request frames.
-    ``tails``: ``store.ShardTail`` of "requests" and "starts" kept between calls (each call
-    then parses only what was written since the last; without them every shard is read)."""
+def _frames(job, index: int, slo: dict, tails: dict):
+    """(finished records, still-running starts) of probe ``index`` as request frames, from
+    ``tails``: ``store.ShardTail`` of the run's "requests" and "starts", kept between calls
+    (each call parses only what was written since the last)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -249,12 +249,7 @@ def _frames(run_dir: Path, job, index: int, slo: dict, tails: dict | None = None
                     pc.equal(t.column("stage"), index))
         return t.filter(m)
 
-    cols = _record_columns()
-    if tails is not None:
-        recs, starts = mine(tails["requests"].read()), mine(tails["starts"].read())
-    else:
-        recs = mine(store.read_table(run_dir, "requests", cols, parquet=False))
-        starts = mine(store.read_starts(run_dir))
+    recs, starts = mine(tails["requests"].read()), mine(tails["starts"].read())
     done_ids = set(zip(recs.column("worker").to_pylist(), recs.column("request_id").to_pylist()))
     keep = [(w, r) not in done_ids for w, r in zip(starts.column("worker").to_pylist(),
                                                    starts.column("request_id").to_pylist())]
@@ -270,8 +265,8 @@ def _frames(run_dir: Path, job, index: int, slo: dict, tails: dict | None = None
         full["status"] = pa.array(["cancelled"] * n)
         table = pa.table({k: (v if isinstance(v, (pa.Array, pa.ChunkedArray)) else v)
                           for k, v in full.items()})
-        pending = request_frame(table.select([c for c in cols if c in table.column_names]),
-                                slo=slo)
+        pending = request_frame(table.select(
+            [c for c in _record_columns() if c in table.column_names]), slo=slo)
     sent = starts.column("t_sent").to_numpy(zero_copy_only=False).astype(np.int64)
     sched = starts.column("t_scheduled").to_numpy(zero_copy_only=False).astype(np.int64)
     recent = sent >= (sent.max() - 1_000_000_000) if len(sent) else sent.astype(bool)
@@ -457,7 +452,7 @@ class LocustBackend:
         return _wait_started(self.run_dir, self.job, index, self.child)
 
     def frames(self, index: int):
-        return _frames(self.run_dir, self.job, index, self.slo, self.tails)
+        return _frames(self.job, index, self.slo, self.tails)
 
     def e2e_mean_s(self, index: int) -> float | None:
         return _e2e_mean_s(self.run_dir, self.job, index)
