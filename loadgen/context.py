@@ -26,8 +26,8 @@ from kvbench.loadgen.looplag import LoopLag
 from kvbench.loadgen.prefetch import Prefetch
 from kvbench.loadgen.openai import request_body, request_path
 from kvbench.loadgen.options import job_from_options
-from kvbench.loadgen.pacing import (OpenLoopDispatcher, StagePlan, cycle_requests, shard,
-                                    shard_sessions, share_of)
+from kvbench.loadgen.pacing import (ClosedLoopStages, ClosedUser, OpenLoopDispatcher,
+                                    StagePlan, cycle_requests, shard, shard_sessions, share_of)
 from kvbench.loadgen.sink import COLUMNS, RecordSink
 from kvbench.loadgen.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
@@ -68,7 +68,13 @@ class LoadContext:
         self.tokcheck = token_check(environment, self.tokenizer.name)  # plain locust runs
         self.workload = workload if workload is not None else job.build_workload(self.tokenizer)
         self.workload_name = getattr(self.workload, "name", job.workload)
-        self.pacing = "poisson" if job.pacing == "search" else job.pacing  # probes: Poisson
+        # a capacity search's probes: Poisson arrivals, or closed-loop users (search.loop)
+        self.search_loop = (job.search or {}).get("loop", "open") if job.pacing == "search" \
+            else None
+        self.pacing = {None: job.pacing, "open": "poisson"}.get(self.search_loop,
+                                                               "search-closed")
+        # what the stages say they were: a closed-loop probe is a closed-loop stage
+        self.stage_pacing = "closed" if self.search_loop == "closed" else self.pacing
         self.stages = [StagePlan(s.index, s.duration_s, s.rate_rps, s.users,
                                  getattr(s, "requests", None)) for s in job.stages]
         self.stage_index = job.stage_index
@@ -159,7 +165,10 @@ class LoadContext:
         return next(self._sessions, None)
 
     def _users(self) -> int:
-        """Closed loop: the most users a stage of this process runs."""
+        """Closed loop: the most users a stage of this process runs (a closed-loop search:
+        its ``max_users``, at most 64 sessions built ahead)."""
+        if self.search_loop == "closed":
+            return min(64, int(self.job.search.get("max_users") or 64))
         return max((s.users or 0) for s in self.stages) or getattr(
             getattr(self.environment, "parsed_options", None), "num_users", None) or 1
 
@@ -261,8 +270,10 @@ class LoadContext:
                  response_time=(res.e2e_ns - res.ttft_ns) / (n - 1) / 1e6,
                  response_length=0, exception=None, context={})
 
-    # -- open loop
+    # -- open loop (and a closed-loop capacity search, whose users the feed sets)
     def run_dispatcher(self) -> None:
+        if self.search_loop == "closed":
+            return self._run_closed_search()
         requests = (iter(self.workload.requests()) if self.pacing == "trace" else
                     cycle_requests(self.workload.requests, self.index, self.count))
         if self.pacing == "trace" and self.count > 1:
@@ -306,6 +317,62 @@ class LoadContext:
         d.cancel()
         pool.close()
 
+    def _run_closed_search(self) -> None:
+        """The closed-loop capacity search: kvbench run feeds the probes (``ProbeFeed``), each
+        a stage of its number of users (``ClosedLoopStages``); this process runs its share."""
+        from kvbench.runs.search import ProbeFeed
+
+        def on_stage(st: StagePlan, t0: int, t1: int) -> None:
+            self.add_stage(st, t0, t1, cut=self.stopping.is_set() or self.dispatcher.stage_cut)
+
+        feed = ProbeFeed(self.run_dir, self.endpoint, self.workload_name)
+        self._sessions = self._built_ahead(prefill=True)
+        self.dispatcher = d = ClosedLoopStages(
+            lambda u: self._closed_user(d, u), (), index=self.index, count=self.count,
+            on_stage=on_stage, on_stage_start=self.open_stage)
+        d.stages = (StagePlan(p.index, p.duration_s, None, p.users) for p in feed.probes(d))
+        if self.stopping.is_set():
+            d.stop()
+        d.run()
+        d.wait_idle(self.drain_s)  # then what is still in flight is cancelled at the stop
+        d.cancel()
+
+    def _closed_user(self, d: ClosedLoopStages, u: ClosedUser) -> None:
+        """One user of a closed-loop search: one session at a time (think times between turns,
+        turn k+1 built from turn k's answer), each request tagged with the stage it was sent
+        in; it waits while no stage runs and ends once retired."""
+        client = self.new_client()
+        if self.warm:
+            client.pool.warm(1)
+        try:
+            while not u.retired and not d.stopped.is_set():
+                session = self.next_session()
+                if session is None:
+                    return
+                while True:
+                    req = session.next_request()
+                    if req is None:
+                        break
+                    if req.think_time_s > 0 and req.turn > 0 and d.stopped.wait(req.think_time_s):
+                        return
+                    while d.stage is None and not (u.retired or d.stopped.is_set()):
+                        d.active.wait()
+                    if u.retired or d.stopped.is_set():
+                        return
+                    u.sending = stage = d.stage
+                    d.in_flight += 1
+                    d.started += 1
+                    try:
+                        res = self.send(client, req, None, stage, keep_text=True)
+                    finally:
+                        d.in_flight -= 1
+                        u.sending = None
+                    if res.status != "ok":
+                        break  # the session cannot build its next turn on a failed answer
+                    session.feed_response(res.text)
+        finally:
+            client.pool.close()
+
     def stop_starting(self) -> None:
         """The stage (or run) ends: users and the dispatcher start no new request."""
         if not self.stopping.is_set():
@@ -318,7 +385,7 @@ class LoadContext:
         """The stage running now, in the live sidecar (a killed run's partial stage)."""
         self.sink.meta["open_stage"] = {
             "endpoint": self.endpoint, "workload": self.workload_name,
-            "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
+            "profile": self.job.profile, "index": st.index, "pacing": self.stage_pacing,
             "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
             "t_start_ns": t0_ns, "t_end_ns": None, **self._planned_count(st)}
         self.looplag.reset()
@@ -332,7 +399,7 @@ class LoadContext:
     def add_stage(self, st: StagePlan, t0_ns: int, t1_ns: int, cut: bool = False) -> None:
         stage = {
             "endpoint": self.endpoint, "workload": self.workload_name,
-            "profile": self.job.profile, "index": st.index, "pacing": self.pacing,
+            "profile": self.job.profile, "index": st.index, "pacing": self.stage_pacing,
             "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
             "t_start_ns": t0_ns, "t_end_ns": t1_ns, **self._planned_count(st),
             **self.looplag.take()}

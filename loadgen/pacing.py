@@ -166,6 +166,15 @@ class OpenLoopDispatcher:
             if self._wait(delay):
                 return True
 
+    def cancel_stage(self, stage: int) -> None:
+        """Cancel the requests in flight that were sent in ``stage`` (each records itself as
+        cancelled); other stages' go on."""
+        import gevent
+
+        mine = [g for g in list(self.group or ())
+                if len(getattr(g, "args", ())) > 2 and g.args[2] == stage]
+        gevent.killall(mine, block=False)
+
     def stop(self) -> None:
         """Start nothing more (requests in flight go on; see ``wait_idle`` and ``cancel``)."""
         self._event().set()
@@ -292,3 +301,120 @@ class OpenLoopDispatcher:
         while self.in_flight > 0 and time.monotonic() < end:
             gevent.sleep(0.01)
         return self.in_flight == 0
+
+
+class ClosedLoopStages:
+    """Closed loop whose user count changes stage by stage (the closed-loop capacity search's
+    probes, fed lazily): each user is a greenlet running ``run_user(user)``, one session at a
+    time, each request waiting for the answer before the next. A stage of more users starts
+    the missing ones at its start; one of fewer retires the extra ones once their request in
+    flight ends (it is recorded in the stage it was sent in). Between two stages no user sends
+    (``active`` is clear): a stage's requests are those sent within its window, as an open
+    loop's arrivals are. Same controls as ``OpenLoopDispatcher``: ``end_stage``, ``stop``,
+    ``cancel``, ``wait_idle``, ``cancel_stage``; ``on_stage_start`` / ``on_stage`` mark each
+    stage (epoch ns). ``share``: this process's part of each stage's users (``share_of``)."""
+
+    def __init__(self, run_user: Callable, stages: Iterable[StagePlan], *, index: int = 0,
+                 count: int = 1,
+                 on_stage: Callable[[StagePlan, int, int], None] | None = None,
+                 on_stage_start: Callable[[StagePlan, int], None] | None = None) -> None:
+        self.run_user = run_user
+        self.stages = stages
+        self.index, self.count = index, count
+        self.on_stage, self.on_stage_start = on_stage, on_stage_start
+        self.stage: int | None = None  # the stage users send in now (None: between stages)
+        self.users: list[ClosedUser] = []
+        self.in_flight = 0  # requests sent and not yet ended (run_user keeps it)
+        self.started = 0
+        self.dropped_at_cap = 0  # (a closed loop never drops: the interface of the open one)
+        self.stage_cut = False
+        self.stopped = None
+        self.active = None
+        self._cut = None
+        self.group = None
+
+    def _events(self):
+        import gevent.event
+
+        if self.stopped is None:
+            self.stopped = gevent.event.Event()
+            self.active = gevent.event.Event()
+            self._cut = gevent.event.Event()
+
+    def end_stage(self) -> None:
+        if self._cut is not None:
+            self._cut.set()
+
+    def stop(self) -> None:
+        self._events()
+        self.stopped.set()
+        self.active.set()  # users waiting for a stage wake up and see the stop
+
+    def cancel_stage(self, stage: int) -> None:
+        """Cancel the requests in flight that were sent in ``stage`` (each records itself as
+        cancelled); their users go, and the next stage starts new ones as it needs."""
+        import gevent
+
+        mine = [u for u in self.users if u.sending == stage and u.greenlet is not None]
+        for u in mine:  # gone now: the next stage counts them out (a kill lands later)
+            u.retired = True
+        gevent.killall([u.greenlet for u in mine], block=False)
+
+    def run(self) -> None:
+        import gevent
+        from gevent.pool import Group
+
+        self._events()
+        self.group = Group()
+        mono, epoch = time.perf_counter_ns, time.time_ns
+        offset = epoch() - mono()
+        for st in self.stages:
+            if self.stopped.is_set():
+                break
+            self._cut.clear()
+            t_start = mono()
+            if self.on_stage_start is not None:
+                self.on_stage_start(st, t_start + offset)
+            want = share_of(st.users or 0, self.index, self.count) or 0
+            self.users = [u for u in self.users if not u.retired and not u.greenlet.dead]
+            for u in self.users[want:]:
+                u.retired = True
+            while len(self.users) < want:
+                u = ClosedUser()
+                u.greenlet = self.group.spawn(self.run_user, u)
+                self.users.append(u)
+            self.stage = st.index
+            self.active.set()
+            gevent.wait([self.stopped, self._cut], timeout=st.duration_s, count=1)
+            self.active.clear()  # no user sends until the next stage
+            self.stage = None
+            self.stage_cut = self._cut.is_set() or self.stopped.is_set()
+            if self.on_stage is not None:
+                self.on_stage(st, t_start + offset, mono() + offset)
+        for u in self.users:
+            u.retired = True
+        self.active.set()  # waiting users see they are retired and end
+
+    def cancel(self, timeout_s: float = 5.0) -> None:
+        if self.group is not None:
+            self.group.kill(block=True, timeout=timeout_s)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        import gevent
+
+        end = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < end:
+            gevent.sleep(0.01)
+        return self.in_flight == 0
+
+
+class ClosedUser:
+    """One user of ``ClosedLoopStages``: its greenlet, whether it is retired, and the stage of
+    the request it has in flight (None: none)."""
+
+    __slots__ = ("greenlet", "retired", "sending")
+
+    def __init__(self) -> None:
+        self.greenlet = None
+        self.retired = False
+        self.sending: int | None = None

@@ -349,6 +349,9 @@ class Capacity:
     # passing rate and the lowest failing one (``crossing``); the highest passing rate where
     # the search found no failure (a lower bound: status "no failure"); None: no pass
     estimate_rps: float | None = None
+    # what the search varied: "req/s" (open loop, offered Poisson rate) or "users" (closed
+    # loop: the fields named *_rps then hold numbers of users, the concurrency at SLO)
+    unit: str = "req/s"
 
     @property
     def interval_text(self) -> str:
@@ -390,13 +393,23 @@ def crossing(lo: float, hi: float, at_lo: dict, at_hi: dict, target: float = TAR
     return float(min(max(out, lo), hi))
 
 
+def level(stage: dict) -> float | None:
+    """What a probe (a run.json stage) was run at: its offered rate, or its number of users
+    for a closed-loop probe."""
+    if stage.get("rate_rps") is None and stage.get("users") is not None:
+        return stage["users"]
+    return stage.get("rate_rps")
+
+
 def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
               **kw) -> list[Capacity]:
     """One ``Capacity`` per searched endpoint x workload: from run.json's stages (their
     ``search`` notes: rate and verdict each probe got, the target it was judged against) and
     the probes' requests (``frame``: ``reports.frame.request_frame`` of the run), the bracket
     between the highest passing rate and the lowest failing one, the capacity at SLO within
-    it (``crossing``), the class that broke first and which SLO it missed."""
+    it (``crossing``), the class that broke first and which SLO it missed. A closed-loop
+    search's levels are numbers of users: its capacity is the whole number of users at the
+    crossing (at least the highest passing one), in ``Capacity.unit`` "users"."""
     out = []
     searched = [s for s in stages if s.get("search")]
     keys = sorted({(s.get("endpoint"), s.get("workload")) for s in searched})
@@ -408,13 +421,14 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
             if v is not None and key not in kw:
                 kw_ep[key] = float(v)
         sub = frame[(frame["endpoint"].astype(str) == ep) & (frame["workload"].astype(str) == wl)]
+        closed = any(s.get("rate_rps") is None and s.get("users") is not None for s in probes)
         # a rate's settled verdict is its last probe's (a refinement or confirmation pools
         # the earlier probes at that rate): a pass refuted by its confirmation is a failure
         settled, shown = {}, {}
         for s in sorted(probes, key=lambda s: s["index"]):
             if s["search"].get("verdict") in ("pass", "fail"):
-                settled[s["rate_rps"]] = s["search"]["verdict"]
-                shown[s["rate_rps"]] = not s["search"].get("estimate")
+                settled[level(s)] = s["search"]["verdict"]
+                shown[level(s)] = not s["search"].get("estimate")
         passes = [r for r, v in settled.items() if v == "pass"]
         fails = [r for r, v in settled.items() if v == "fail"]
         cap = max(passes) if passes else None
@@ -429,7 +443,7 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
             status += " (budget)"
         breaks = None
         if fail is not None:
-            idx = [s["index"] for s in probes if s["rate_rps"] == fail]
+            idx = [s["index"] for s in probes if level(s) == fail]
             rows = sub[np.isin(sub["stage"], idx)]
             v = probe_verdict(rows, slo, **kw_ep)
             w = next((c for c in v.classes if c.verdict == "fail"), v.worst)
@@ -449,10 +463,10 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
                           "rate_rps": fail, "misses": w.misses}
         at = None
         if cap is not None:
-            idx = [s["index"] for s in probes if s["rate_rps"] == cap]
+            idx = [s["index"] for s in probes if level(s) == cap]
             rows = sub[np.isin(sub["stage"], idx)]
             v = probe_verdict(rows, slo, **kw_ep)
-            wall = sum(_ran_s(s) for s in probes if s["rate_rps"] == cap)
+            wall = sum(_ran_s(s) for s in probes if level(s) == cap)
             out_tok = float(np.nansum(rows.loc[rows["ok"], "completion_tokens"]))
             w = v.worst
             at = {"worst_class": w.request_class if w else None,
@@ -461,21 +475,25 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
                   "thin": thin_text(v.classes, kw_ep.get("target", TARGET),
                                     kw_ep.get("confidence", CONFIDENCE)),
                   "output_tps": out_tok / wall if wall > 0 else math.nan,
+                  # requests answered a second (closed loop: what its users got through)
+                  "achieved_rps": (int(rows["ok"].sum()) / wall if wall > 0 else math.nan),
                   "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum()))),
                   # its pass is the pooled estimate's, the interval straddling the target
                   "estimate": any(s["search"].get("estimate") for s in probes
-                                  if s["rate_rps"] == cap)}
+                                  if level(s) == cap)}
         estimate = cap
         if cap is not None and fail is not None:
             def pooled(rate):
-                idx = [s["index"] for s in probes if s["rate_rps"] == rate]
+                idx = [s["index"] for s in probes if level(s) == rate]
                 return class_attainment(sub[np.isin(sub["stage"], idx)])
 
             estimate = crossing(cap, fail, pooled(cap), pooled(fail),
                                 kw_ep.get("target", TARGET))
+            if closed:  # whole users: the most the interpolation says meet the target
+                estimate = float(max(cap, math.floor(estimate + 1e-9)))
         out.append(Capacity(ep, wl, cap, fail, status, len(probes),
                             float(sum(_ran_s(s) for s in probes)), breaks, at, low, high,
-                            estimate))
+                            estimate, "users" if closed else "req/s"))
     return out
 
 

@@ -297,14 +297,17 @@ def _ranked(rows: list[dict], key: str) -> list[dict]:
     """``rows`` with a ``key`` figure, ranked by it within each workload (endpoints compete on
     the same traffic only), workloads in the order they first appear; each a copy with its
     ``rank``."""
-    order = {w: i for i, w in reversed(list(enumerate(r["workload"] for r in rows)))}
+    def group(r):  # an open loop's rate and a closed loop's users do not compare
+        return (r["workload"], r.get("unit", "req/s"))
+
+    order = {w: i for i, w in reversed(list(enumerate(group(r) for r in rows)))}
     out = sorted((r for r in rows if r[key] is not None),
-                 key=lambda r: (order[r["workload"]], -r[key]))
+                 key=lambda r: (order[group(r)], -r[key]))
     ranked, last, k = [], None, 0
     for r in out:
-        k = k + 1 if r["workload"] == last else 1
+        k = k + 1 if group(r) == last else 1
         above = ranked[-1] if k > 1 else None
-        last = r["workload"]
+        last = group(r)
         ranked.append({**r, "rank": k, "apart": None if above is None else
                        ("yes" if _separated(above, r, key) else
                         f"no: its bracket overlaps {above['endpoint']}'s")})
@@ -341,15 +344,21 @@ def build_capacity(d: ReportData) -> dict | None:
         per = C.per_gpu_and_cost(c, ep.get("gpus"), ep.get("gpu_hour_cost"))
         at = c.at_capacity or {}
         br = c.breaks or {}
+        closed = c.unit == "users"
+        got = at.get("achieved_rps")
+        num = (lambda x: fmt(x, "count")) if closed else fmt  # whole users
         rows.append({
             "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
+            "unit": c.unit, "loop": "closed loop: users" if closed else "open loop: req/s",
             "capacity": c.estimate_rps, "capacity_text": (
-                fmt(c.estimate_rps) if c.fail_rps is not None or c.estimate_rps is None
-                else f"≥ {fmt(c.estimate_rps)}"),
+                num(c.estimate_rps) if c.fail_rps is not None or c.estimate_rps is None
+                else f"≥ {num(c.estimate_rps)}")
+            + (f" ({fmt(got)} req/s answered at {num(c.capacity_rps)} users)"
+               if closed and got is not None and got == got else ""),
             "passed": c.capacity_rps,
             "fail": c.fail_rps, "low": c.low_rps, "high": c.high_rps,
-            "bracket": (f"{fmt(c.capacity_rps)} – {fmt(c.fail_rps)}" if c.fail_rps is not None
-                        else f"≥ {fmt(c.capacity_rps)}" if c.capacity_rps is not None
+            "bracket": (f"{num(c.capacity_rps)} – {num(c.fail_rps)}" if c.fail_rps is not None
+                        else f"≥ {num(c.capacity_rps)}" if c.capacity_rps is not None
                         else "–")
             + ("" if (c.low_rps, c.high_rps) == (c.capacity_rps, c.fail_rps)
                else f" (shown: {c.interval_text})"),
@@ -362,7 +371,7 @@ def build_capacity(d: ReportData) -> dict | None:
                            if at else "–"),
             "breaks": (f"{br['class']}: {br['missed'] or '?'} "
                        f"({fmt(br['attainment'], 'fraction')} within SLO at "
-                       f"{fmt(br['rate_rps'])} req/s)" if br else "none seen"),
+                       f"{num(br['rate_rps'])} {c.unit})" if br else "none seen"),
             "gpus": ep.get("gpus"), "gpu_hour_cost": ep.get("gpu_hour_cost"),
             "per_gpu": per["capacity_per_gpu"], "per_gpu_text": fmt(per["capacity_per_gpu"]),
             "per_usd": per["capacity_per_usd_hour"],
@@ -372,7 +381,9 @@ def build_capacity(d: ReportData) -> dict | None:
     by_gpu = _ranked(rows, "per_gpu")
     by_usd = _ranked(rows, "per_usd")
     probes = [{"endpoint": s.get("endpoint"), "workload": s.get("workload"),
-               "stage": s.get("index"), "rate": fmt(s.get("rate_rps")),
+               "stage": s.get("index"),
+               "rate": (fmt(s.get("rate_rps")) if s.get("rate_rps") is not None
+                        else f"{s['users']} users" if s.get("users") is not None else "–"),
                "duration": fmt(s.get("duration_s")), "role": s["search"].get("role"),
                "verdict": s["search"].get("verdict") or (
                    "not judged" if s["search"].get("role") == "warmup" else "void"),

@@ -354,12 +354,16 @@ def _capacity(frame, meta) -> None:
     caps = capacity.summarise(meta.stages or [], frame, (meta.config or {}).get("slo") or {})
     gpus = {e.get("name"): e for e in meta.endpoints or []}
     for c in caps:
+        u = c.unit
         if c.capacity_rps is None:
             cap = "below the start"
         elif c.fail_rps is None:
-            cap = f">= {c.capacity_rps:g} req/s (passed {c.capacity_rps:g}, nothing failed)"
+            cap = f">= {c.capacity_rps:g} {u} (passed {c.capacity_rps:g}, nothing failed)"
         else:
-            cap = f"{c.estimate_rps:.3g} req/s"
+            cap = f"{c.estimate_rps:.3g} {u}"
+        got = (c.at_capacity or {}).get("achieved_rps")
+        if u == "users" and got is not None and got == got:
+            cap += f" ({got:.3g} req/s answered at {c.capacity_rps:g} users)"
         fail = (f" (passed {c.capacity_rps:g}, failed {c.fail_rps:g})"
                 if c.fail_rps is not None and c.capacity_rps is not None else
                 f", fails at {c.fail_rps:g}" if c.fail_rps is not None else "")
@@ -367,7 +371,7 @@ def _capacity(frame, meta) -> None:
         why = (f"; {br['class']} breaks first ({br['missed']})" if br.get("class") else "")
         ep = gpus.get(c.endpoint) or {}
         per = capacity.per_gpu_and_cost(c, ep.get("gpus"), ep.get("gpu_hour_cost"))
-        pg = (f", {per['capacity_per_gpu']:.2f} req/s per GPU"
+        pg = (f", {per['capacity_per_gpu']:.2f} {u} per GPU"
               if per["capacity_per_gpu"] is not None else "")
         thin = (c.at_capacity or {}).get("thin")
         print(f"kvbench run: CAPACITY at SLO: {c.endpoint} x {c.workload}: {cap}{fail}{pg} "

@@ -56,6 +56,30 @@ class SearchSpec(Strict):
     # Load at start_rps for this long before the first judged probe (a stage of role
     # "warmup", never judged): caches, batches and queues reach the state the probes measure
     warmup_s: float = Field(default=0.0, ge=0, le=3600)
+    # "closed": the highest number of users at SLO instead of the highest rate. Each user runs
+    # one session at a time and waits for every answer (think times as the workload says);
+    # probes of start_users, times growth (one more at least) to the first failure, then
+    # bisection to one user or ``precision``; a probe never outruns the endpoint, so the
+    # saturation cuts of the open loop do not apply (its SLO verdict still cuts a failure)
+    loop: Literal["open", "closed"] = "open"
+    start_users: int = Field(default=1, ge=1, le=100_000)
+    max_users: int = Field(default=1024, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _loop(self):
+        given = self.model_fields_set
+        wrong = (("start_rps", "max_rps", "min_rps") if self.loop == "closed"
+                 else ("start_users", "max_users"))
+        for name in wrong:
+            if name in given:
+                other = "start_users/max_users" if self.loop == "closed" else \
+                    "loop = \"closed\""
+                raise ValueError(f"search.{name} does not apply to a search with loop = "
+                                 f"\"{self.loop}\"; remove it, or use {other}")
+        if self.loop == "closed" and self.start_users > self.max_users:
+            raise ValueError(f"search.start_users ({self.start_users}) is above max_users "
+                             f"({self.max_users}); lower start_users or raise max_users")
+        return self
 
 
 class LoadProfile(Strict):

@@ -112,8 +112,10 @@ class Job:
         """``test x mix (ladder: poisson at 5,15 req/s, 3 s)`` for progress lines."""
         head = f"{self.endpoint.name} x {self.workload}"
         if self.pacing == "search":
-            return (f"{head} ({self.profile}: capacity search from "
-                    f"{self.search['start_rps']:g} req/s, budget {self.search['budget_s']:g} s)")
+            start = (f"{self.search['start_users']} users" if self.search.get("loop") == "closed"
+                     else f"{self.search['start_rps']:g} req/s")
+            return (f"{head} ({self.profile}: capacity search from {start}, "
+                    f"budget {self.search['budget_s']:g} s)")
         if self.pacing == "closed":
             st = self.stages[self.stage_index]
             return (f"{head} ({self.profile} stage {self.stage_index + 1}/{len(self.stages)}: "
@@ -297,7 +299,9 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         search = prof.search.model_dump(mode="json")
         for k in ("probe_s", "max_probe_s", "budget_s", "settle_s"):
             search[k] *= duration_scale
-        stages = stages or [JobStage(0, search["budget_s"], search["start_rps"])]
+        stages = stages or [
+            JobStage(0, search["budget_s"], users=search["start_users"])
+            if search["loop"] == "closed" else JobStage(0, search["budget_s"], search["start_rps"])]
     if stages is None:
         stages = ([JobStage(i, s.duration_s * duration_scale, s.rate_rps, s.users, s.requests)
                    for i, s in enumerate(prof.stages)] if prof is not None

@@ -73,9 +73,19 @@ def _write(path: Path, data: dict) -> None:
 @dataclass(frozen=True)
 class Probe:
     index: int
-    rate_rps: float
+    rate_rps: float | None  # open loop (None: a closed-loop probe)
     duration_s: float
     role: str = "ramp"  # ramp | refine | bisect | confirm
+    users: int | None = None  # closed loop: the users the probe runs
+
+    @property
+    def level(self) -> float:
+        """What the search varies: the offered rate, or the number of users."""
+        return self.users if self.users is not None else self.rate_rps
+
+    def text(self) -> str:
+        return (f"{self.users} users" if self.users is not None
+                else f"{self.rate_rps:g} req/s")
 
 
 class ProbeFeed:
@@ -107,9 +117,7 @@ class ProbeFeed:
                         dispatcher.end_stage()
                     # its requests in flight (a saturated queue, or a failed probe's backlog
                     # that would weigh on the next one) go; other probes' stay
-                    mine = [g for g in list(dispatcher.group or ())
-                            if len(getattr(g, "args", ())) > 2 and g.args[2] == i]
-                    gevent.killall(mine, block=False)
+                    dispatcher.cancel_stage(i)
                 if data.get("done"):
                     return
                 gevent.sleep(0.1)
@@ -126,7 +134,11 @@ class ProbeFeed:
                     k += 1
                     waited = 0.0
                     current["index"] = int(p["index"])
-                    yield Probe(int(p["index"]), float(p["rate_rps"]), float(p["duration_s"]))
+                    users = p.get("users")
+                    yield Probe(int(p["index"]),
+                                None if p.get("rate_rps") is None else float(p["rate_rps"]),
+                                float(p["duration_s"]),
+                                users=None if users is None else int(users))
                     continue
                 if data is not None and data.get("done"):
                     return
@@ -149,13 +161,18 @@ class Planner:
     history: list = field(default_factory=list)  # (Probe, verdict)
     residence_s: float | None = None  # mean response time at the last passing rate
 
+    @property
+    def closed(self) -> bool:
+        """A closed-loop search: its levels are numbers of users (integers)."""
+        return self.spec.get("loop") == "closed"
+
     def tries(self, rate: float) -> int:
-        return sum(1 for p, _ in self.history if p.rate_rps == rate)
+        return sum(1 for p, _ in self.history if p.level == rate)
 
     def verdict_at(self, rate: float) -> str | None:
         """The settled verdict at ``rate`` (its last probe's, on all its requests pooled): a
         straddle after its refinements, or on a confirmation, counts as fail."""
-        vs = [v for p, v in self.history if p.rate_rps == rate]
+        vs = [v for p, v in self.history if p.level == rate]
         if not vs:
             return None
         last = vs[-1]
@@ -164,7 +181,7 @@ class Planner:
         return last
 
     def bracket(self) -> tuple[float | None, float | None]:
-        rates = sorted({p.rate_rps for p, _ in self.history})
+        rates = sorted({p.level for p, _ in self.history})
         settled = {r: self.verdict_at(r) for r in rates}
         passes = [r for r, v in settled.items() if v == "pass"]
         lo = max(passes) if passes else None
@@ -180,16 +197,27 @@ class Planner:
         s = self.spec
         k = s.get("steady_residences", STEADY_RESIDENCES)
         floor = (k * self.residence_s + 1.0) if self.residence_s and k else 0.0
-        return min(max(s["probe_s"], s["min_requests"] / rate, floor), s["max_probe_s"])
+        if self.closed:  # ``rate`` users send about users / response time requests a second
+            need = s["min_requests"] * self.residence_s / rate if self.residence_s else 0.0
+        else:
+            need = s["min_requests"] / rate
+        return min(max(s["probe_s"], need, floor), s["max_probe_s"])
+
+    def _probe(self, index: int, level: float, role: str) -> Probe:
+        if self.closed:
+            return Probe(index, None, self.duration(level), role, users=int(level))
+        return Probe(index, level, self.duration(level), role)
 
     def next(self) -> Probe | None:
         s = self.spec
         index = len(self.history)
         if self.history:
             p, v = self.history[-1]
-            tries = sum(1 for q, _ in self.history if q.rate_rps == p.rate_rps)
+            tries = sum(1 for q, _ in self.history if q.level == p.level)
             if v == "straddle" and tries <= s["refine"]:
-                return Probe(index, p.rate_rps, self.duration(p.rate_rps), "refine")
+                return self._probe(index, p.level, "refine")
+        if self.closed:
+            return self._next_users(index)
         lo, hi = self.bracket()
         if not self.history:
             rate, role = s["start_rps"], "ramp"
@@ -209,6 +237,31 @@ class Planner:
             rate, role = math.sqrt(lo * hi), "bisect"
         rate = float(f"{rate:.4g}")
         return Probe(index, rate, self.duration(rate), role)
+
+    def _next_users(self, index: int) -> Probe | None:
+        """The closed loop's plan, in whole users: up from ``start_users`` by ``growth`` (one
+        more at least, ``max_users`` at most) to the first failure, down from the start by
+        ``growth`` (one fewer at least, one user at least) when it fails, then geometric bisection until the bracket is one user wide or
+        within ``precision``; the confirmation as in the open loop."""
+        s = self.spec
+        lo, hi = self.bracket()
+        if not self.history:
+            return self._probe(index, s["start_users"], "ramp")
+        if hi is None:  # up to max_users itself: the most the search may claim
+            if lo >= s["max_users"]:
+                return None
+            n = min(s["max_users"], max(lo + 1, round(lo * s["growth"])))
+            return self._probe(index, n, "ramp")
+        if lo is None:  # down to one user
+            if hi <= 1:
+                return None
+            return self._probe(index, max(1, min(hi - 1, round(hi / s["growth"]))), "ramp")
+        if hi - lo <= 1 or hi / lo - 1 <= s["precision"]:
+            if s.get("confirm", True) and self.tries(lo) < 2:
+                return self._probe(index, lo, "confirm")
+            return None
+        n = min(hi - 1, max(lo + 1, round(math.sqrt(lo * hi))))
+        return self._probe(index, n, "bisect")
 
     def record(self, probe: Probe, verdict: str) -> None:
         self.history.append((probe, verdict))
@@ -351,10 +404,12 @@ class Watch:
         self.estimate = _worst_finished(d)
         if now < self.end:
             elapsed = now - self.t_start
-            sat = (C.saturated(load["pending_ages_s"], elapsed, self.probe.rate_rps,
-                               self.e2e_ref_s,
-                               load["lateness_ms"])
-                   or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
+            # (a closed loop cannot outrun its endpoint: its users wait for their answers, so
+            # no queue grows beyond them and nothing is offered that was not sent)
+            sat = None if self.probe.users is not None else (
+                C.saturated(load["pending_ages_s"], elapsed, self.probe.rate_rps,
+                            self.e2e_ref_s, load["lateness_ms"])
+                or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
             # (whether it is steady is judged at its end, over the whole second half: near
             # capacity a queue's burst over a second or two looked like a growing backlog and
             # cut a probe at 93% of the capacity after 3 s, search_truth seed 101)
@@ -380,7 +435,7 @@ class Watch:
             # capacity looked unsteady in 5% of 10 s probes), so a first sign is refined (the
             # rate probed again, pooled) and only a refinement or confirmation that still
             # shows it fails
-            unsteady = self._unsteady(done, load)
+            unsteady = self._unsteady(done, load) if self.probe.users is None else None
             if unsteady and (self.probe.role in ("refine", "confirm")
                              or not self.spec["refine"]):
                 return "fail", f"not steady again: {unsteady} ({self._why(v)})"
@@ -521,7 +576,7 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
                     + " to judge, none missed: the ramp goes on")
         planner.record(w.probe, verdict)
         entry = entries[w.probe.index]
-        if verdict == "straddle" and planner.verdict_at(w.probe.rate_rps) == "fail":
+        if verdict == "straddle" and planner.verdict_at(w.probe.level) == "fail":
             worst = w.detail.worst if w.detail is not None else None
             est = worst.attainment if worst is not None else math.nan
             tried = ("the confirmation" if w.probe.role == "confirm" else
@@ -551,7 +606,7 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
             ref["e2e"] = backend.e2e_mean_s(w.probe.index) or ref["e2e"]
             planner.residence_s = ref["e2e"]
         p = w.probe
-        say(f"    probe {p.index + 1} ({p.role}) {p.rate_rps:g} req/s, {p.duration_s:g} s: "
+        say(f"    probe {p.index + 1} ({p.role}) {p.text()}, {p.duration_s:g} s: "
             f"{verdict.upper()}: {why}")
         return verdict
 
@@ -559,13 +614,15 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
         entry = {"index": probe.index, "rate_rps": probe.rate_rps,
                  "duration_s": probe.duration_s, "role": probe.role,
                  "target": spec["target"], "confidence": spec["confidence"]}
+        if probe.users is not None:
+            entry["users"] = probe.users
         entries[probe.index] = entry
         state["probes"].append(entry)
         backend.publish(state)
         t_start = backend.started(probe.index)
         if t_start is None:
             return None
-        pooled = [q.index for q, _ in planner.history if q.rate_rps == probe.rate_rps]
+        pooled = [q.index for q, _ in planner.history if q.level == probe.level]
         return Watch(backend.frames, backend.slo, probe, pooled, spec, t_start, ref["e2e"])
 
     def warm_up(probe: Probe) -> None:
@@ -576,6 +633,8 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
         entry = {"index": probe.index, "rate_rps": probe.rate_rps,
                  "duration_s": probe.duration_s, "role": "warmup", "verdict": None,
                  "why": "warm-up: not judged"}
+        if probe.users is not None:
+            entry["users"] = probe.users
         entries[probe.index] = entry
         state["probes"].append(entry)
         backend.publish(state)
@@ -584,7 +643,7 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
             return
         while backend.alive() and backend.now() < t_start + probe.duration_s:
             backend.sleep(POLL_S)
-        say(f"    warm-up {probe.rate_rps:g} req/s, {probe.duration_s:g} s: not judged")
+        say(f"    warm-up {probe.text()}, {probe.duration_s:g} s: not judged")
 
     def plan(after: Watch | None = None) -> Probe | None:
         """The next probe (assuming ``after`` passes, if given), within the budget."""
@@ -607,7 +666,9 @@ def drive(backend, spec: dict, say=_say) -> tuple[Planner, dict]:
     backend.launch()
     try:
         if spec.get("warmup_s"):
-            warm_up(Probe(0, spec["start_rps"], spec["warmup_s"], "warmup"))
+            warm_up(Probe(0, None, spec["warmup_s"], "warmup", users=spec["start_users"])
+                    if planner.closed else
+                    Probe(0, spec["start_rps"], spec["warmup_s"], "warmup"))
         probe = plan()
         current = start(probe) if probe else None
         behind: Watch | None = None  # a probe whose stragglers are still being judged
