@@ -71,7 +71,7 @@ options = {{ max_num_seqs = {seqs}, replicas = 1, time_scale = {time_scale}, slo
 kind = "chat"
 requests = {requests}
 prompt_tokens = {{ dist = "constant", mean = {prompt} }}
-output_tokens = {{ dist = "constant", mean = {output} }}
+output_tokens = {output}
 
 [profiles.search]
 pacing = "search"
@@ -90,25 +90,48 @@ nvml = false
 SEARCH = ("start_rps = {start}, growth = 1.7, target = 0.95, probe_s = {probe_s}, "
           "min_requests = 30, max_probe_s = {max_probe_s}, min_class_requests = 5, refine = 1, "
           "precision = {precision}, budget_s = {budget}, settle_s = 5")
+# --loop closed: the highest number of users at SLO, from --start-users
+SEARCH_CLOSED = ("loop = \"closed\", start_users = {start}, growth = 1.7, target = 0.95, "
+                 "probe_s = {probe_s}, min_requests = 30, max_probe_s = {max_probe_s}, "
+                 "min_class_requests = 5, refine = 1, precision = {precision}, "
+                 "budget_s = {budget}, settle_s = 5")
+# the most requests a second the endpoint could answer (its open-loop capacity is ~32): sizes
+# the workload so that no prompt repeats within a run (a repeat would be a prefix-cache hit)
+CEILING_RPS = 40.0
+
+
+def output_dist(a) -> str:
+    """The answers' lengths: constant, or uniform within +-``--output-spread`` of the mean
+    (service times that vary: an attainment that falls gradually with load, and seeds that
+    differ even in a closed loop, whose arrivals are not random)."""
+    if not a.output_spread:
+        return f'{{ dist = "constant", mean = {a.output_tokens} }}'
+    lo = max(1, round(a.output_tokens * (1 - a.output_spread)))
+    hi = round(a.output_tokens * (1 + a.output_spread))
+    return f'{{ dist = "uniform", mean = {a.output_tokens}, min = {lo}, max = {hi} }}'
 
 
 def write_config(out: Path, name: str, seed: int, a, rates: list[float]) -> Path:
+    closed = a.loop == "closed"
+    what = "users = {:d}" if closed else "rate_rps = {:g}"
     sweep = "\n".join(
-        f"[profiles.rate_{i}]\npacing = \"poisson\"\n"
-        f"stages = [{{ rate_rps = {r:g}, duration_s = {a.stage_s + a.warmup_s:g} }}]\n"
+        f"[profiles.rate_{i}]\npacing = \"{'closed' if closed else 'poisson'}\"\n"
+        f"stages = [{{ {what.format(int(r) if closed else r)}, "
+        f"duration_s = {a.stage_s + a.warmup_s:g} }}]\n"
         "drain_s = 10\n"
         for i, r in enumerate(rates))
     budget = a.budget_s if a.budget_s is not None else a.stage_s * len(rates) / 4
-    search = SEARCH.format(start=a.start_rps, probe_s=a.probe_s, max_probe_s=a.max_probe_s,
-                           precision=a.precision, budget=f"{budget:g}")
-    top = max(rates + [a.start_rps])
+    search = (SEARCH_CLOSED if closed else SEARCH).format(
+        start=a.start_users if closed else a.start_rps, probe_s=a.probe_s,
+        max_probe_s=a.max_probe_s, precision=a.precision, budget=f"{budget:g}")
+    top = CEILING_RPS if closed else max(rates + [a.start_rps])
     requests = int(max(top * (a.stage_s + a.warmup_s), top * 1.7 * budget) * 1.5) + 200
     cfg = out / "configs" / f"{name}.toml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(CONFIG.format(seed=seed, results=out / "results", seqs=a.max_num_seqs,
                                  time_scale=a.time_scale, slowdown=a.slowdown,
                                  requests=requests, prompt=a.prompt_tokens,
-                                 output=a.output_tokens, search=search, sweep=sweep,
+                                 output=output_dist(a), search=search, sweep=sweep,
                                  ttft_ms=a.ttft_ms))
     return cfg
 
@@ -144,7 +167,7 @@ def sweep_point(run_dir: Path, target: float, warmup_s: float) -> dict:
     v = C.probe_verdict(f, slo, target=target)
     w = v.worst
     load = float(st["duration_s"]) - warmup_s
-    return {"rate": st["rate_rps"], "load_s": load, "n": len(f),
+    return {"rate": C.level(st), "load_s": load, "n": len(f),
             "worst": w.request_class, "attainment": w.attainment, "low": w.low,
             "high": w.high, "sent_rate": len(f) / load}
 
@@ -191,6 +214,9 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=1.0)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--output-spread", type=float, default=0.0,
+                    help="answers uniform within +- this fraction of --output-tokens (0: "
+                         "constant)")
     ap.add_argument("--ttft-ms", type=float, default=100.0)
     ap.add_argument("--start-rps", type=float, default=7.5, help="the search's first probe")
     ap.add_argument("--probe-s", type=float, default=20.0)
@@ -200,6 +226,13 @@ def main() -> None:
                     help="the search's budget, s (default: a quarter of the sweep's "
                          "load-seconds; with --skip-sweep, of --stage-s x --sweep-n)")
     ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument("--loop", choices=("open", "closed"), default="open",
+                    help="closed: the highest number of users at SLO (sweep --users, search "
+                         "from --start-users) instead of the highest rate")
+    ap.add_argument("--users", default="4,5,6,7,8,9",
+                    help="--loop closed: the sweep's numbers of users")
+    ap.add_argument("--start-users", type=int, default=2,
+                    help="--loop closed: the search's first probe")
     ap.add_argument("--out", default="/tmp/kvbench-search-truth")
     ap.add_argument("--reuse", action="store_true", help="re-read runs already in --out")
     ap.add_argument("--skip-sweep", action="store_true", help="searches only (needs --truth)")
@@ -212,13 +245,19 @@ def main() -> None:
         a.repeats = min(a.repeats, 3)
     rates = [float(f"{a.sweep_lo * (a.sweep_hi / a.sweep_lo) ** (i / max(1, a.sweep_n - 1)):.3g}")
              for i in range(a.sweep_n)]
+    unit = "req/s"
+    if a.loop == "closed":
+        rates = [float(int(u)) for u in a.users.split(",")]
+        unit = "users"
+        if a.out == ap.get_default("out"):
+            a.out += "-closed"
     sweep_load = a.stage_s * len(rates)
     out = Path(a.out)
     target = 0.95
     t0 = time.monotonic()
     print(f"endpoint: built-in colocated, 1 replica, max_num_seqs {a.max_num_seqs}, time_scale "
           f"{a.time_scale:g}, slowdown {a.slowdown:g}; chat {a.prompt_tokens} -> "
-          f"{a.output_tokens} tokens; SLO TTFT {a.ttft_ms:g} ms; target {target}", flush=True)
+          f"{a.output_tokens} tokens (+-{a.output_spread:.0%}); SLO TTFT {a.ttft_ms:g} ms; target {target}", flush=True)
 
     truth, note, points = a.truth, "given with --truth", []
     if not a.skip_sweep:
@@ -229,7 +268,7 @@ def main() -> None:
             run_dir = kvbench_run(cfg, f"rate_{i}", f"sweep-{i}", out, a.reuse)
             p = sweep_point(run_dir, target, a.warmup_s)
             points.append(p)
-            print(f"    {r:7.3g} req/s: {p['n']:5d} requests, worst class {p['worst']} "
+            print(f"    {r:7.3g} {unit}: {p['n']:5d} requests, worst class {p['worst']} "
                   f"attainment {p['attainment']:.3f} [{p['low']:.3f}, {p['high']:.3f}]  "
                   f"({time.monotonic() - t0:.0f} s so far)", flush=True)
             if p["attainment"] < target - 0.15 and i + 1 < len(rates):
@@ -239,13 +278,14 @@ def main() -> None:
         sweep_load = sum(p["load_s"] for p in points)
     if truth is None:
         raise SystemExit(f"no truth: {note}")
-    print(f"\nTRUTH: capacity at SLO {truth:.3f} req/s ({note}); sweep load {sweep_load:g} s",
+    print(f"\nTRUTH: capacity at SLO {truth:.3f} {unit} ({note}); sweep load {sweep_load:g} s",
           flush=True)
     if a.budget_s is None:  # a quarter of the sweep as it ran (rates far above were skipped)
         a.budget_s = sweep_load / 4
 
     print(f"\nsearch x {a.repeats} (budget {a.budget_s:g} s, precision {a.precision:g}, "
-          f"probes {a.probe_s:g}-{a.max_probe_s:g} s from {a.start_rps:g} req/s):", flush=True)
+          f"probes {a.probe_s:g}-{a.max_probe_s:g} s from "
+          f"{a.start_users if a.loop == 'closed' else a.start_rps:g} {unit}):", flush=True)
     rows = []
     for k in range(a.repeats):
         seed = a.seed_base + 100 + k
@@ -254,7 +294,7 @@ def main() -> None:
         res, f, slo = frame_of(run_dir)
         (cap,) = C.summarise(res.meta.stages, f, slo)
         probes = [s for s in res.meta.stages if s.get("search")]
-        trail = " ".join(f"{s['rate_rps']:g}{(s['search'].get('verdict') or 'void')[0].upper()}"
+        trail = " ".join(f"{C.level(s):g}{(s['search'].get('verdict') or 'void')[0].upper()}"
                          for s in probes)
         err = (cap.estimate_rps / truth - 1) if cap.estimate_rps else math.nan
         err_pass = (cap.capacity_rps / truth - 1) if cap.capacity_rps else math.nan
@@ -262,7 +302,7 @@ def main() -> None:
         ok = abs(err) <= a.tolerance and frac <= 0.25
         rows.append((seed, cap, err, frac, ok, err_pass))
         est = f"{cap.estimate_rps:.3f}" if cap.estimate_rps is not None else "none"
-        print(f"    seed {seed}: capacity {est} req/s, error {err * 100:+.1f}% (bracket: "
+        print(f"    seed {seed}: capacity {est} {unit}, error {err * 100:+.1f}% (bracket: "
               f"passed {cap.capacity_rps}, failed {cap.fail_rps}, {cap.status}; the highest "
               f"pass is {err_pass * 100:+.1f}%), load {cap.load_s:.1f} s = "
               f"{frac:.3f} of the sweep -> {'OK' if ok else 'MISS'}; probes {trail}  "
@@ -273,7 +313,7 @@ def main() -> None:
     print(f"\nRESULT: {good} of {len(rows)} repeats within +-{a.tolerance * 100:g}% using at most "
           f"a quarter of the sweep's load; errors {', '.join(f'{e * 100:+.1f}%' for e in errs)} "
           f"(the highest passing rate's: {', '.join(f'{e * 100:+.1f}%' for e in errs_pass)});"
-          f" truth {truth:.3f} req/s; {time.monotonic() - t0:.0f} s in all")
+          f" truth {truth:.3f} {unit}; {time.monotonic() - t0:.0f} s in all")
 
 
 if __name__ == "__main__":

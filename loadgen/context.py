@@ -355,18 +355,13 @@ class LoadContext:
                         break
                     if req.think_time_s > 0 and req.turn > 0 and d.stopped.wait(req.think_time_s):
                         return
-                    while d.stage is None and not (u.retired or d.stopped.is_set()):
-                        d.active.wait()
-                    if u.retired or d.stopped.is_set():
+                    stage = d.next_turn(u)
+                    if stage is None:
                         return
-                    u.sending = stage = d.stage
-                    d.in_flight += 1
-                    d.started += 1
                     try:
                         res = self.send(client, req, None, stage, keep_text=True)
                     finally:
-                        d.in_flight -= 1
-                        u.sending = None
+                        d.turn_done(u)
                     if res.status != "ok":
                         break  # the session cannot build its next turn on a failed answer
                     session.feed_response(res.text)

@@ -104,7 +104,29 @@ def cycle_requests(make: Callable[[], Iterable], index: int = 0, count: int = 1)
             return
 
 
-class OpenLoopDispatcher:
+class _Draining:
+    """The end of a run, for both dispatchers: requests in flight (``in_flight``, in the gevent
+    ``group``) finish or are cancelled."""
+
+    in_flight: int
+    group = None
+
+    def cancel(self, timeout_s: float = 5.0) -> None:
+        """Stop the requests in flight (each still records itself, as cancelled)."""
+        if self.group is not None:
+            self.group.kill(block=True, timeout=timeout_s)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait for in-flight requests to end (at most ``timeout_s``)."""
+        import gevent
+
+        end = time.monotonic() + timeout_s
+        while self.in_flight > 0 and time.monotonic() < end:
+            gevent.sleep(0.01)
+        return self.in_flight == 0
+
+
+class OpenLoopDispatcher(_Draining):
     """Starts ``send(request, t_scheduled_epoch_ns, stage_index)`` greenlets on schedule.
 
     ``share`` is this process's fraction of the configured rate (1/processes). Arrivals that
@@ -288,22 +310,9 @@ class OpenLoopDispatcher:
         finally:
             self.in_flight -= 1
 
-    def cancel(self, timeout_s: float = 5.0) -> None:
-        """Stop the requests in flight (each still records itself, as cancelled)."""
-        if self.group is not None:
-            self.group.kill(block=True, timeout=timeout_s)
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Wait for in-flight requests to end (at most ``timeout_s``)."""
-        import gevent
-
-        end = time.monotonic() + timeout_s
-        while self.in_flight > 0 and time.monotonic() < end:
-            gevent.sleep(0.01)
-        return self.in_flight == 0
 
 
-class ClosedLoopStages:
+class ClosedLoopStages(_Draining):
     """Closed loop whose user count changes stage by stage (the closed-loop capacity search's
     probes, fed lazily): each user is a greenlet running ``run_user(user)``, one session at a
     time, each request waiting for the answer before the next. A stage of more users starts
@@ -395,17 +404,22 @@ class ClosedLoopStages:
             u.retired = True
         self.active.set()  # waiting users see they are retired and end
 
-    def cancel(self, timeout_s: float = 5.0) -> None:
-        if self.group is not None:
-            self.group.kill(block=True, timeout=timeout_s)
+    def next_turn(self, u: "ClosedUser") -> int | None:
+        """A user's next request may go: wait while no stage runs; the stage it is sent in
+        (counted in flight until ``turn_done``), or None when the user is retired or the run
+        stopped (the user ends)."""
+        while self.stage is None and not (u.retired or self.stopped.is_set()):
+            self.active.wait()
+        if u.retired or self.stopped.is_set():
+            return None
+        u.sending = self.stage
+        self.in_flight += 1
+        self.started += 1
+        return u.sending
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        import gevent
-
-        end = time.monotonic() + timeout_s
-        while self.in_flight > 0 and time.monotonic() < end:
-            gevent.sleep(0.01)
-        return self.in_flight == 0
+    def turn_done(self, u: "ClosedUser") -> None:
+        self.in_flight -= 1
+        u.sending = None
 
 
 class ClosedUser:

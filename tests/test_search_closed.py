@@ -6,8 +6,6 @@ own times and on run.json, never on how long anything took."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import gevent
@@ -25,6 +23,7 @@ from kvbench.reports.data import load
 from kvbench.reports.metrics import request_frame
 from kvbench.reports.render import build_context, render_html
 from kvbench.runs.search import Planner
+from kvbench_cli import run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {"loop": "closed", "start_users": 1, "max_users": 1024, "growth": 2.0, "target": 0.95,
@@ -93,19 +92,12 @@ def test_users_follow_each_stage_and_never_overlap_their_own_requests():
     counts = [3, 6, 2, 4]
 
     def run_user(u):
-        while not u.retired and not d.stopped.is_set():
-            while d.stage is None and not (u.retired or d.stopped.is_set()):
-                d.active.wait()
-            if u.retired or d.stopped.is_set():
-                return
-            u.sending = stage = d.stage
-            d.in_flight += 1
+        while (stage := d.next_turn(u)) is not None:
             t0 = gevent.get_hub().loop.now()
             try:
                 gevent.sleep(0.02)
             finally:
-                d.in_flight -= 1
-                u.sending = None
+                d.turn_done(u)
             sent.append((stage, id(u), t0, gevent.get_hub().loop.now()))
 
     stages = [StagePlan(i, 0.3, None, n) for i, n in enumerate(counts)]
@@ -131,16 +123,11 @@ def test_a_cancelled_stage_loses_its_users_and_the_next_starts_new_ones():
 
     def run_user(u):
         started.append(id(u))
-        while not u.retired and not d.stopped.is_set():
-            while d.stage is None and not (u.retired or d.stopped.is_set()):
-                d.active.wait()
-            if u.retired or d.stopped.is_set():
-                return
-            u.sending = d.stage
+        while d.next_turn(u) is not None:
             try:
                 gevent.sleep(10)  # a long answer: still running when its stage is cut
             finally:
-                u.sending = None
+                d.turn_done(u)
 
     def stages():
         yield StagePlan(0, 0.2, None, 4)
@@ -229,14 +216,7 @@ ttft_ms = {SLO_TTFT_MS}
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    d = tmp_path_factory.mktemp("closed")
-    cfg = d / "bench.toml"
-    cfg.write_text(CONFIG.replace("@RESULTS@", str(d / "results")))
-    p = subprocess.run([sys.executable, "-m", "kvbench", "run", "--config", str(cfg),
-                        "--run-id", "c1"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return d / "results" / "c1", p.stdout
+    return run_config(tmp_path_factory.mktemp("closed"), CONFIG, "c1", timeout_s=300)
 
 
 def test_every_probe_is_a_closed_loop_stage_of_its_users(searched):

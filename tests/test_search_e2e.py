@@ -5,9 +5,6 @@ emulator's time scale so the probes are short. Asserts on the records' own (serv
 times and on run.json, never on how long the test took."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +14,8 @@ from kvbench.reports import capacity as C
 from kvbench.reports.data import load
 from kvbench.reports.metrics import request_frame
 from kvbench.reports.render import build_context, render_html
+from kvbench_cli import run_config
 
-ROOT = Path(__file__).resolve().parent.parent
 SEQS = 2
 BUDGET_S = 30.0
 
@@ -57,14 +54,7 @@ ttft_ms = 250
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    d = tmp_path_factory.mktemp("search")
-    cfg = d / "bench.toml"
-    cfg.write_text(CONFIG.replace("@RESULTS@", str(d / "results")))
-    p = subprocess.run([sys.executable, "-m", "kvbench", "run", "--config", str(cfg),
-                        "--run-id", "s1"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=240)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return d / "results" / "s1", p.stdout
+    return run_config(tmp_path_factory.mktemp("search"), CONFIG, "s1")
 
 
 def test_every_probe_is_a_stage_with_its_search_role(searched):

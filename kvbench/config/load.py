@@ -30,7 +30,8 @@ class SearchSpec(Strict):
     Open loop: Poisson probes from ``start_rps``, times ``growth`` to the first failing probe,
     then geometric bisection until the bracket is within ``precision``; a probe whose bootstrap
     interval straddles ``target`` is run again ``refine`` times (its requests pooled); with
-    ``confirm``, the capacity's rate is probed again before it is claimed."""
+    ``confirm``, the capacity's rate is probed again before it is claimed. ``loop = "closed"``
+    searches the number of users instead (``start_users`` to ``max_users``)."""
 
     start_rps: float = Field(default=1.0, gt=0, le=1e6)
     growth: float = Field(default=2.0, gt=1, le=100)

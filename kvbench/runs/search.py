@@ -1,5 +1,7 @@
 """The capacity search (``[profiles.*] pacing = "search"``): for one endpoint x workload, the
-highest offered Poisson rate at which every class with an SLO meets its attainment target.
+highest offered Poisson rate at which every class with an SLO meets its attainment target, or
+with ``search.loop = "closed"`` the highest number of closed-loop users (each probe a stage of
+that many users, ``loadgen.pacing.ClosedLoopStages``; the plan in whole users).
 
 ``kvbench run`` drives it (``run``): one Locust child for the whole search, fed one probe at a
 time through a control file in the run directory (``search-<endpoint>-<workload>.json``),
