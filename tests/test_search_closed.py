@@ -151,11 +151,11 @@ def test_a_cancelled_stage_loses_its_users_and_the_next_starts_new_ones():
 def test_closed_loop_settings_in_the_wrong_place_are_one_sentence(tmp_path, search, field):
     p = tmp_path / "bench.toml"
     p.write_text((ROOT / "bench.toml").read_text()
-                 + f'\n[profiles.users]\npacing = "search"\nsearch = {search}\n')
+                 + f'\n[profiles.seats]\npacing = "search"\nsearch = {search}\n')
     with pytest.raises(UserError) as ei:
         load_config(p)
     msg = str(ei.value)
-    assert str(p) in msg and "profiles.users" in msg and field in msg
+    assert str(p) in msg and "profiles.seats" in msg and field in msg
     assert msg.count("\n") == 0
 
 
