@@ -332,6 +332,7 @@ class ClosedLoopStages(_Draining):
         self.index, self.count = index, count
         self.on_stage, self.on_stage_start = on_stage, on_stage_start
         self.stage: int | None = None  # the stage users send in now (None: between stages)
+        self.want = 0  # this process's users in the running stage
         self.users: list[ClosedUser] = []
         self.in_flight = 0  # requests sent and not yet ended (run_user keeps it)
         self.started = 0
@@ -365,9 +366,23 @@ class ClosedLoopStages(_Draining):
         import gevent
 
         mine = [u for u in self.users if u.sending == stage and u.greenlet is not None]
-        for u in mine:  # gone now: the next stage counts them out (a kill lands later)
+        for u in mine:  # gone now: counted out at once (a kill lands later)
             u.retired = True
         gevent.killall([u.greenlet for u in mine], block=False)
+        if self.stage is not None:  # a later stage runs already: its users are made up now
+            self._staff()
+
+    def _staff(self) -> None:
+        """Bring the users to the running stage's ``want``: the retired and the ended are
+        counted out, extra ones retire, missing ones start."""
+        self.users = [u for u in self.users if not u.retired and not u.greenlet.dead]
+        for u in self.users[self.want:]:
+            u.retired = True
+        del self.users[self.want:]
+        while len(self.users) < self.want:
+            u = ClosedUser()
+            u.greenlet = self.group.spawn(self.run_user, u)
+            self.users.append(u)
 
     def run(self) -> None:
         import gevent
@@ -384,17 +399,17 @@ class ClosedLoopStages(_Draining):
             t_start = mono()
             if self.on_stage_start is not None:
                 self.on_stage_start(st, t_start + offset)
-            want = share_of(st.users or 0, self.index, self.count) or 0
-            self.users = [u for u in self.users if not u.retired and not u.greenlet.dead]
-            for u in self.users[want:]:
-                u.retired = True
-            while len(self.users) < want:
-                u = ClosedUser()
-                u.greenlet = self.group.spawn(self.run_user, u)
-                self.users.append(u)
+            self.want = share_of(st.users or 0, self.index, self.count) or 0
+            self._staff()
             self.stage = st.index
             self.active.set()
-            gevent.wait([self.stopped, self._cut], timeout=st.duration_s, count=1)
+            end = time.monotonic() + st.duration_s
+            # (every half second the users are made up again: one whose session ran out
+            # ended, and the stage keeps its number of users)
+            while (left := end - time.monotonic()) > 0 and not (
+                    self._cut.is_set() or self.stopped.is_set()):
+                gevent.wait([self.stopped, self._cut], timeout=min(left, 0.5), count=1)
+                self._staff()
             self.active.clear()  # no user sends until the next stage
             self.stage = None
             self.stage_cut = self._cut.is_set() or self.stopped.is_set()

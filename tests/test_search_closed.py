@@ -140,6 +140,34 @@ def test_a_cancelled_stage_loses_its_users_and_the_next_starts_new_ones():
     assert len(started) == 4 + 3  # the 4 cut users are gone; 3 new ones ran stage 1
 
 
+def test_a_cut_that_lands_after_the_next_stage_began_leaves_that_stage_its_users():
+    """The search publishes a failed probe's cut and the next probe together; the child can
+    start the next stage first, keeping the old probe's users (their requests still running),
+    and the cut then takes them: the running stage is made up at once (it ran with 23 of its
+    181 users in a real bake-off before this)."""
+    sending = []  # (stage, user) of every request started
+
+    def run_user(u):
+        while (stage := d.next_turn(u)) is not None:
+            sending.append((stage, id(u)))
+            try:
+                gevent.sleep(10 if stage == 0 else 0.02)
+            finally:
+                d.turn_done(u)
+
+    def stages():
+        yield StagePlan(0, 0.2, None, 4)
+        gevent.spawn_later(0.1, d.cancel_stage, 0)  # the cut, after stage 1 began
+        yield StagePlan(1, 0.6, None, 3)
+
+    d = ClosedLoopStages(run_user, stages())
+    gevent.spawn(d.run).join(timeout=30)
+    d.cancel()
+    in_1 = {u for st, u in sending if st == 1}
+    assert len(in_1) == 3, sending
+    assert not in_1 & {u for st, u in sending if st == 0}  # the cut users are gone
+
+
 # --------------------------------------------------------------------------- the config
 
 @pytest.mark.parametrize("search, field", [
@@ -236,6 +264,9 @@ def test_every_probe_is_a_closed_loop_stage_of_its_users(searched):
         events = sorted([(t, 1) for t in t0] + [(t, -1) for t in t1], key=lambda e: (e[0], e[1]))
         peak = max(np.cumsum([e[1] for e in events]), default=0)
         assert peak <= s["users"], (s["index"], peak, s["users"])
+        # every user of the probe sent (a probe that ran fewer users than it says would
+        # overstate the capacity): each answer takes well under the probe's length
+        assert len(mine) >= s["users"], (s["index"], len(mine), s["users"])
         # sent within the probe's own window (none between probes)
         assert (t0 >= s["t_start_ns"]).all() and (t0 <= s["t_end_ns"]).all()
     assert "CAPACITY at SLO: tiny x chat:" in out and " users" in out
