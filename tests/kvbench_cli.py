@@ -20,3 +20,35 @@ def run_config(folder: Path, config: str, run_id: str, timeout_s: float = 240.0)
                        timeout=timeout_s)
     assert p.returncode == 0, p.stdout + p.stderr
     return folder / "results" / run_id, p.stdout
+
+
+def tiny_chat_config(name: str, seqs: int, profiles: str, ttft_ms: float) -> str:
+    """A config of one built-in colocated endpoint of ``seqs`` sequences at half the
+    emulator's time scale and a chat workload of fixed lengths (64 -> 32 tokens), whose
+    capacity follows from the queue model; ``profiles``: the [profiles.*] tables, the first
+    the suite's. ``@RESULTS@`` stands for the results folder (``run_config``)."""
+    first = profiles.split("[profiles.", 1)[1].split("]", 1)[0]
+    return f"""
+[suite]
+name = "{name}"
+results_dir = "@RESULTS@"
+workloads = ["chat"]
+profile = "{first}"
+
+[[endpoints]]
+name = "tiny"
+kind = "builtin"
+topology = "colocated"
+options = {{ max_num_seqs = {seqs}, replicas = 1, time_scale = 0.5 }}
+
+[workloads.chat]
+kind = "chat"
+requests = 2000
+prompt_tokens = {{ dist = "constant", mean = 64 }}
+output_tokens = {{ dist = "constant", mean = 32 }}
+
+{profiles}
+
+[slo.chat]
+ttft_ms = {ttft_ms:g}
+"""

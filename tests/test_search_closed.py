@@ -23,7 +23,7 @@ from kvbench.reports.data import load
 from kvbench.reports.metrics import request_frame
 from kvbench.reports.render import build_context, render_html
 from kvbench.runs.search import Planner
-from kvbench_cli import run_config
+from kvbench_cli import run_config, tiny_chat_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {"loop": "closed", "start_users": 1, "max_users": 1024, "growth": 2.0, "target": 0.95,
@@ -213,33 +213,12 @@ def test_summarise_counts_users_for_a_closed_loop_search():
 SEQS = 4
 SLO_TTFT_MS = 250
 
-CONFIG = f"""
-[suite]
-name = "closed-search"
-results_dir = "@RESULTS@"
-workloads = ["chat"]
-profile = "users"
-
-[[endpoints]]
-name = "tiny"
-kind = "builtin"
-topology = "colocated"
-options = {{ max_num_seqs = {SEQS}, replicas = 1, time_scale = 0.5 }}
-
-[workloads.chat]
-kind = "chat"
-requests = 2000
-prompt_tokens = {{ dist = "constant", mean = 64 }}
-output_tokens = {{ dist = "constant", mean = 32 }}
-
+CONFIG = tiny_chat_config("closed-search", SEQS, f"""
 [profiles.users]
 pacing = "search"
 search = {{ loop = "closed", start_users = 2, growth = 2.0, probe_s = 4, min_requests = 12, max_probe_s = 6, min_class_requests = 5, refine = 1, precision = 0.1, budget_s = 45, settle_s = 3 }}
 drain_s = 2
-
-[slo.chat]
-ttft_ms = {SLO_TTFT_MS}
-"""
+""", SLO_TTFT_MS)
 
 
 @pytest.fixture(scope="module")

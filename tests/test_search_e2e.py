@@ -14,30 +14,12 @@ from kvbench.reports import capacity as C
 from kvbench.reports.data import load
 from kvbench.reports.metrics import request_frame
 from kvbench.reports.render import build_context, render_html
-from kvbench_cli import run_config
+from kvbench_cli import run_config, tiny_chat_config
 
 SEQS = 2
 BUDGET_S = 30.0
 
-CONFIG = f"""
-[suite]
-name = "search"
-results_dir = "@RESULTS@"
-workloads = ["chat"]
-profile = "search"
-
-[[endpoints]]
-name = "tiny"
-kind = "builtin"
-topology = "colocated"
-options = {{ max_num_seqs = {SEQS}, replicas = 1, time_scale = 0.5 }}
-
-[workloads.chat]
-kind = "chat"
-requests = 2000
-prompt_tokens = {{ dist = "constant", mean = 64 }}
-output_tokens = {{ dist = "constant", mean = 32 }}
-
+CONFIG = tiny_chat_config("search", SEQS, f"""
 [profiles.search]
 pacing = "search"
 search = {{ start_rps = 3.0, growth = 4.0, probe_s = 4, min_requests = 12, max_probe_s = 5, min_class_requests = 5, refine = 1, precision = 0.25, budget_s = {BUDGET_S}, settle_s = 3 }}
@@ -46,10 +28,7 @@ drain_s = 2
 [profiles.ladder]
 pacing = "poisson"
 stages = [{{ rate_rps = 2.0, duration_s = 1 }}]
-
-[slo.chat]
-ttft_ms = 250
-"""
+""", 250)
 
 
 @pytest.fixture(scope="module")
