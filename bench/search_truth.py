@@ -29,6 +29,12 @@ an attainment is uncertain over seconds and the crossing moves with it. 50-s sta
 32.54 req/s with the sweep's own interval at its last passing rate [0.935, 0.981]; 150-s stages
 at 31.89 (2026-12-02). The search then gets a quarter of that sweep's load, with 20-28 s probes.
 
+``--loop closed`` asks the closed-loop question instead: the truth is a sweep of fixed numbers
+of users (``--users``), the search runs from ``--start-users`` in whole users. With fixed
+lengths the attainment is a cliff (8 users 0.999, 9 users 0.661) and every seed takes the same
+path; ``--output-spread 0.75`` varies the answers' lengths: truth 6.11 users (6: 0.964, 7:
+0.829), the search 6 users in 5 of 5 seeds on 12% of the sweep's load (2026-12-02).
+
 Run: ``python bench/search_truth.py`` (about 33 minutes: a 16-minute sweep, five searches of
 3-4 minutes), ``--skip-sweep --truth 31.889`` for the searches alone, ``--quick`` (a 50-s
 sweep, 10-14 s probes; about 11 minutes); ``--reuse`` re-reads the runs already in ``--out``
