@@ -263,7 +263,8 @@ def main() -> None:
     t0 = time.monotonic()
     print(f"endpoint: built-in colocated, 1 replica, max_num_seqs {a.max_num_seqs}, time_scale "
           f"{a.time_scale:g}, slowdown {a.slowdown:g}; chat {a.prompt_tokens} -> "
-          f"{a.output_tokens} tokens (+-{a.output_spread:.0%}); SLO TTFT {a.ttft_ms:g} ms; target {target}", flush=True)
+          f"{a.output_tokens} tokens (+-{a.output_spread:.0%}); SLO TTFT {a.ttft_ms:g} ms; "
+          f"target {target}", flush=True)
 
     truth, note, points = a.truth, "given with --truth", []
     if not a.skip_sweep:

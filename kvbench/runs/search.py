@@ -243,8 +243,9 @@ class Planner:
     def _next_users(self, index: int) -> Probe | None:
         """The closed loop's plan, in whole users: up from ``start_users`` by ``growth`` (one
         more at least, ``max_users`` at most) to the first failure, down from the start by
-        ``growth`` (one fewer at least, one user at least) when it fails, then geometric bisection until the bracket is one user wide or
-        within ``precision``; the confirmation as in the open loop."""
+        ``growth`` (one fewer at least, one user at least) when it fails, then geometric
+        bisection until the bracket is one user wide or within ``precision``; the
+        confirmation as in the open loop."""
         s = self.spec
         lo, hi = self.bracket()
         if not self.history:
