@@ -311,7 +311,6 @@ class OpenLoopDispatcher(_Draining):
             self.in_flight -= 1
 
 
-
 class ClosedLoopStages(_Draining):
     """Closed loop whose user count changes stage by stage (the closed-loop capacity search's
     probes, fed lazily): each user is a greenlet running ``run_user(user)``, one session at a
@@ -321,7 +320,8 @@ class ClosedLoopStages(_Draining):
     (``active`` is clear): a stage's requests are those sent within its window, as an open
     loop's arrivals are. Same controls as ``OpenLoopDispatcher``: ``end_stage``, ``stop``,
     ``cancel``, ``wait_idle``, ``cancel_stage``; ``on_stage_start`` / ``on_stage`` mark each
-    stage (epoch ns). ``share``: this process's part of each stage's users (``share_of``)."""
+    stage (epoch ns). Process ``index`` of ``count`` runs its part of each stage's users
+    (``share_of``)."""
 
     def __init__(self, run_user: Callable, stages: Iterable[StagePlan], *, index: int = 0,
                  count: int = 1,
@@ -333,9 +333,10 @@ class ClosedLoopStages(_Draining):
         self.on_stage, self.on_stage_start = on_stage, on_stage_start
         self.stage: int | None = None  # the stage users send in now (None: between stages)
         self.want = 0  # this process's users in the running stage
+        # every user still alive: the running stage's, and retired ones whose last request is
+        # still in flight (a cut of its stage must reach it too)
         self.users: list[ClosedUser] = []
         self.in_flight = 0  # requests sent and not yet ended (run_user keeps it)
-        self.started = 0
         self.dropped_at_cap = 0  # (a closed loop never drops: the interface of the open one)
         self.stage_cut = False
         self.stopped = None
@@ -375,11 +376,11 @@ class ClosedLoopStages(_Draining):
     def _staff(self) -> None:
         """Bring the users to the running stage's ``want``: the retired and the ended are
         counted out, extra ones retire, missing ones start."""
-        self.users = [u for u in self.users if not u.retired and not u.greenlet.dead]
-        for u in self.users[self.want:]:
+        self.users = [u for u in self.users if not u.greenlet.dead]
+        working = [u for u in self.users if not u.retired]
+        for u in working[self.want:]:
             u.retired = True
-        del self.users[self.want:]
-        while len(self.users) < self.want:
+        for _ in range(self.want - len(working)):
             u = ClosedUser()
             u.greenlet = self.group.spawn(self.run_user, u)
             self.users.append(u)
@@ -429,7 +430,6 @@ class ClosedLoopStages(_Draining):
             return None
         u.sending = self.stage
         self.in_flight += 1
-        self.started += 1
         return u.sending
 
     def turn_done(self, u: "ClosedUser") -> None:

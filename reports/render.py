@@ -318,8 +318,8 @@ def _separated(a: dict, b: dict, key: str) -> bool:
     """Whether ``a`` (ranked above) is shown better than ``b``: the highest rate ``a`` passed,
     in ``key``'s units, lies above the rate at which ``b`` failed (its capacity at SLO, an
     interpolation inside its bracket, is not evidence of itself). Otherwise the search cannot
-    tell them apart (a bracket runs from the last passing rate to the first failing one; none failing:
-    open above). Either end may have been settled on its estimate after refinement (the
+    tell them apart (a bracket runs from the last passing rate to the first failing one; none
+    failing: open above). Either end may have been settled on its estimate after refinement (the
     capacity table shows the interval the bootstrap showed beside the bracket): requiring
     shown ends called every pair of the default bake-off inseparable, where the brackets
     order the long-document shape as the steady state does."""

@@ -77,9 +77,13 @@ def test_planner_refines_a_straddling_number_of_users():
     p.record(first, "straddle")
     again = p.next()
     assert (again.users, again.role, again.duration_s) == (8, "refine", first.duration_s)
-    # a probe is long enough for min_requests at the throughput the last passing level showed
-    p.residence_s = 2.0  # seconds per request per user: 8 users answer 4 requests a second
-    assert p.duration(8) == min(60.0, max(10.0, 30 * 2.0 / 8, 3 * 2.0 + 1))
+    # a probe is long enough for min_requests at the throughput the last passing level showed:
+    # 8 s per request per user, 8 users answer one request a second: 30 requests take 30 s
+    # (the open loop's min_requests / level would give 3.75 s, under the 25-s residence floor)
+    p.residence_s = 8.0
+    assert p.duration(8) == 30.0
+    assert p.duration(16) == 25.0  # 15 s for the requests: the floor (3 residences + 1 s)
+    assert p.duration(1) == 60.0  # capped by max_probe_s
 
 
 # --------------------------------------------------------------------------- the user pool
@@ -146,12 +150,16 @@ def test_a_cut_that_lands_after_the_next_stage_began_leaves_that_stage_its_users
     and the cut then takes them: the running stage is made up at once (it ran with 23 of its
     181 users in a real bake-off before this)."""
     sending = []  # (stage, user) of every request started
+    cancelled = []  # stage of every request a kill ended
 
     def run_user(u):
         while (stage := d.next_turn(u)) is not None:
             sending.append((stage, id(u)))
             try:
                 gevent.sleep(10 if stage == 0 else 0.02)
+            except gevent.GreenletExit:
+                cancelled.append(stage)
+                raise
             finally:
                 d.turn_done(u)
 
@@ -162,10 +170,14 @@ def test_a_cut_that_lands_after_the_next_stage_began_leaves_that_stage_its_users
 
     d = ClosedLoopStages(run_user, stages())
     gevent.spawn(d.run).join(timeout=30)
+    cut = list(cancelled)  # (before the end cancels whatever is left)
     d.cancel()
     in_1 = {u for st, u in sending if st == 1}
     assert len(in_1) == 3, sending
     assert not in_1 & {u for st, u in sending if st == 0}  # the cut users are gone
+    # all 4 of the cut stage's requests were cancelled: the one whose user stage 1 retired
+    # (still in flight when the cut came) too, so no backlog of a failed probe lingers
+    assert cut.count(0) == 4, cut
 
 
 # --------------------------------------------------------------------------- the config
