@@ -502,6 +502,14 @@ def get_context(environment, user_cls=None) -> LoadContext:
                 host = environment.host or getattr(user_cls, "host", None)
                 job = job_from_options(environment.parsed_options, host,
                                        getattr(user_cls, "workload", ""))
+                if job.pacing == "search" and not job_file_given(environment):
+                    # nothing would feed its probes: the run would end with no record
+                    o = environment.parsed_options
+                    raise UserError(
+                        f"--kvbench-profile {job.profile}: a capacity search (pacing = "
+                        "\"search\") runs only under kvbench run, which plans its probes; run "
+                        f"kvbench run --config {o.kvbench_config or 'bench.toml'} --profile "
+                        f"{job.profile}, or pick a profile with stages")
                 environment.kvbench = LoadContext(environment, job)
             except UserError as exc:
                 environment.kvbench_error = exc

@@ -296,3 +296,23 @@ def test_report_shows_the_concurrency_at_slo(searched):
     assert all(p["rate"].endswith(" users") for p in ctx["capacity"]["probes"])
     html = render_html(ctx)
     assert "closed loop: users" in html
+
+
+@pytest.mark.parametrize("profile", ["users", "search"])
+def test_a_plain_locust_run_of_a_search_profile_fails_at_once(tmp_path, profile):
+    """Only kvbench run plans a search's probes: a plain ``locust -f`` of a search profile
+    (closed or open loop) had nothing to feed it and ended at --run-time with no record and
+    exit 0. It now fails before any load, in one sentence naming the profile and the fix."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / "chat.py"), "--headless",
+         "-u", "1", "-r", "1", "-t", "60s", "--host", "http://127.0.0.1:9",
+         "--kvbench-model", "m", "--kvbench-config", str(ROOT / "bench.toml"),
+         "--kvbench-profile", profile, "--kvbench-results", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert (f"--kvbench-profile {profile}: a capacity search" in out
+            and f"kvbench run --config {ROOT / 'bench.toml'} --profile {profile}" in out), out
