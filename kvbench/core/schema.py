@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+from kvbench.core.contract import SCHEMA_VERSION  # noqa: E402,F401 - one place
 
 TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed", "unknown")
 STATUSES = ("ok", "http_error", "timeout", "disconnected", "protocol_error", "cancelled")

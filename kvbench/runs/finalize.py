@@ -144,7 +144,7 @@ def killed_in_flight(run_dir: Path) -> int:
 def _endpoints(jobs, metas: list[dict]) -> list[dict]:
     """One entry per endpoint: the jobs' own, else what the load processes recorded."""
     out: dict[str, dict] = {}
-    for ep in [j.endpoint.record() for j in jobs] + [m.get("endpoint") for m in metas]:
+    for ep in [j.endpoint.record().to_dict() for j in jobs] + [m.get("endpoint") for m in metas]:
         if ep and ep.get("name") not in out:
             out[ep["name"]] = ep
     return list(out.values())

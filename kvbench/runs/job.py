@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvbench.core import redact
+from kvbench.core.contract import EndpointEntry
 from kvbench.core.errors import UserError
 from kvbench.core.rows import new_run_id
 
@@ -58,13 +59,13 @@ class JobEndpoint:
     options: dict = field(default_factory=dict)  # a built-in endpoint's settings (KV geometry)
     engine: str = "auto"
 
-    def record(self) -> dict:
+    def record(self) -> EndpointEntry:
         """run.json ``endpoints[]`` entry."""
-        return {"name": self.name, "topology": self.topology, "url": redact.redact_url(self.url),
-                "model": self.model, "kind": self.kind, "gpus": self.gpus,
-                "gpu_hour_cost": self.gpu_hour_cost,
-                "max_context_tokens": self.max_context_tokens,
-                "metrics_url": redact.redact_url(self.metrics_url)}
+        return EndpointEntry(name=self.name, topology=self.topology,
+                             url=redact.redact_url(self.url), model=self.model, kind=self.kind,
+                             gpus=self.gpus, gpu_hour_cost=self.gpu_hour_cost,
+                             max_context_tokens=self.max_context_tokens,
+                             metrics_url=redact.redact_url(self.metrics_url))
 
 
 @dataclass

@@ -1,0 +1,390 @@
+"""A run's tables on disk, read and written: the collectors' Arrow shard writer, the one reader
+of every table (``scan``: parquet, then live shards, conformed to the schema), and the
+incremental reader of growing shards (``ShardTail``).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import msgpack
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from kvbench.core import rows
+from kvbench.core.errors import DataError
+from kvbench.core.rows import START_COLUMNS, shard_files
+from kvbench.core.schema import REQUESTS, SCHEMA_VERSION, STATUSES, TABLES
+
+STARTS = pa.schema([REQUESTS.field(n) for n in START_COLUMNS])  # rows.START_COLUMNS, typed
+SHARD_SCHEMAS = {**TABLES, "starts": STARTS}
+
+
+# --------------------------------------------------------------------------- writing tables
+
+
+class ShardWriter:
+    """The writer of Arrow table shards (collectors, OTLP spans): appends record batches to
+    ``<run_dir>/<table>-<host>-<pid>[-<tag>].arrows``, an Arrow IPC stream flushed after each
+    batch, so a killed process keeps every complete batch (``scan`` reads up to the last).
+    Thread-safe; the file is created with the first batch (or by ``open``)."""
+
+    def __init__(self, run_dir: Path | str, table: str, tag: str | None = None) -> None:
+        self.schema = SHARD_SCHEMAS[table]
+        self.path = rows.shard_path(run_dir, table, ".arrows", tag)
+        self._lock = threading.Lock()
+        self._fh = None
+        self._writer = None
+        self.rows = 0
+        self.closed = False
+
+    def open(self) -> None:
+        """Create the shard now (an empty stream is a valid, readable shard)."""
+        with self._lock:
+            self._open()
+
+    def _open(self) -> None:
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "ab")
+            self._writer = ipc.new_stream(self._fh, self.schema)
+            self._fh.flush()
+
+    def write(self, batch: pa.RecordBatch | None) -> int:
+        """Append one batch (cast to the table's schema); returns the rows written."""
+        if batch is None or batch.num_rows == 0:
+            return 0
+        if batch.schema != self.schema:
+            batch = batch.cast(self.schema)
+        with self._lock:
+            if self.closed:
+                return 0
+            self._open()
+            self._writer.write_batch(batch)
+            self._fh.flush()
+            self.rows += batch.num_rows
+        return batch.num_rows
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            if self._writer is not None:
+                self._writer.close()
+                self._fh.close()
+                self._writer = self._fh = None
+
+
+
+# --------------------------------------------------------------------------- reading tables
+
+
+# Columns without which a file is not that table at all (older files may lack later columns,
+# which read as nulls).
+REQUIRED = {"requests": ("endpoint", "status", "t_scheduled", "t_sent"),
+            "gpu": ("t_ns",),
+            "engine": ("t_ns", "endpoint", "metric", "value")}
+# Columns every finished record of a table has (checked by ``scan(strict=True)``).
+NOT_NULL = {"requests": ("endpoint", "status"), "gpu": ("t_ns",), "engine": ("t_ns", "metric")}
+_IPC_MARKER = b"\xff\xff\xff\xff"  # every Arrow IPC stream message starts with it
+
+
+def _compatible(have: pa.DataType, want: pa.DataType) -> bool:
+    """True when a column written as ``have`` reads as ``want`` without changing meaning: the
+    same type, integers of another width, integers or floats as floats, string widths and
+    dictionaries of strings, lists of compatible values, or an all-null column."""
+    t = pa.types
+    if have == want or t.is_null(have):
+        return True
+    if t.is_dictionary(have):
+        return _compatible(have.value_type, want)
+    if t.is_integer(want):
+        return t.is_integer(have)
+    if t.is_floating(want):
+        return t.is_integer(have) or t.is_floating(have)
+    if t.is_string(want) or t.is_large_string(want):
+        return t.is_string(have) or t.is_large_string(have)
+    if t.is_list(want) or t.is_large_list(want):
+        return (t.is_list(have) or t.is_large_list(have)) and _compatible(
+            have.value_type, want.value_type)
+    return False
+
+
+def check_schema(have: pa.Schema, table: str, path: Path) -> None:
+    """Raise a ``DataError`` naming ``path`` when a file's schema is not one of ``table``'s:
+    a required column missing, or a column of a type that does not read as the schema's."""
+    schema = SHARD_SCHEMAS[table]
+    missing = [c for c in REQUIRED.get(table, ()) if c not in have.names]
+    if missing:
+        cols = ", ".join(have.names[:6]) + (", ..." if len(have.names) > 6 else "")
+        raise DataError(f"{path}: not a {table} table of schema v{SCHEMA_VERSION} (no column "
+                        f"{', '.join(missing)}; it has {cols or 'no columns'}); remove it or "
+                        "restore the run's own file")
+    for f in have:
+        if f.name in schema.names and not _compatible(f.type, schema.field(f.name).type):
+            raise DataError(f"{path}: column {f.name} is {f.type}, the {table} schema has "
+                            f"{schema.field(f.name).type}; the file was not written by "
+                            "kvbench, or is damaged: restore the run's own file")
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema, columns: Sequence[str] | None,
+             path: Path | None = None, table: str = "", strict: bool = False
+             ) -> pa.RecordBatch:
+    """``batch`` with the schema's types and ``columns`` (missing ones as nulls); a value
+    that does not read as its column's type is a ``DataError`` naming ``path``, and so is,
+    when ``strict``, a null where every finished record has a value or an unknown status."""
+    names = list(columns) if columns is not None else schema.names
+    arrays = []
+    for name in names:
+        typ = schema.field(name).type
+        i = batch.schema.get_field_index(name)
+        if i < 0:
+            arrays.append(pa.nulls(batch.num_rows, typ))
+            continue
+        try:
+            col = batch.column(i).cast(typ)
+        except (pa.ArrowException, ValueError) as exc:
+            raise DataError(f"{path}: column {name} does not read as {typ} "
+                            f"({str(exc).splitlines()[0]}); restore the run's own file") from None
+        if strict and name in NOT_NULL.get(table, ()) and col.null_count:
+            raise DataError(f"{path}: {col.null_count} record(s) without a {name}, which every "
+                            f"{table} record has; the file is damaged: restore the run's own "
+                            "file")
+        if strict and table == "requests" and name == "status":
+            bad = pc.filter(col, pc.invert(pc.is_in(col, pa.array(STATUSES))))
+            if len(bad):
+                raise DataError(f"{path}: status {bad[0].as_py()!r} is not one of "
+                                f"{', '.join(STATUSES)}; the file is damaged or of another "
+                                "kvbench version")
+        arrays.append(col)
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([schema.field(n) for n in names]))
+
+
+def _shard_batches(run_dir: Path, table: str) -> Iterator[tuple[Path, pa.RecordBatch]]:
+    """Every complete batch of every ``<table>-*`` shard (``.arrows``: Arrow IPC, written by
+    the collectors and older runs; ``.rows``: a load process's msgpack rows, ``core.rows``),
+    with its file (a killed writer loses only its unfinished batch; an empty file is a process
+    that wrote nothing). A file that is not a stream of its kind, or one of another table or
+    schema, is a ``DataError``."""
+    for shard in shard_files(run_dir, table):
+        try:
+            if shard.suffix == rows.ROWS_SUFFIX:
+                for batch in _rows_batches(shard, table):
+                    yield shard, batch
+            else:
+                for batch in _arrows_batches(shard, table):
+                    yield shard, batch
+        except OSError as exc:
+            raise DataError(f"{shard}: cannot be read ({exc.strerror or exc}); check its "
+                            "permissions or remove it") from None
+
+
+def _arrows_batches(shard: Path, table: str) -> Iterator[pa.RecordBatch]:
+    with open(shard, "rb") as fh:
+        head = fh.read(4)
+        if not head:
+            return
+        if head != _IPC_MARKER:
+            raise DataError(f"{shard}: not an Arrow IPC stream (a {table} shard starts "
+                            "with one); remove it or restore the run's own file")
+        fh.seek(0)
+        try:
+            reader = ipc.open_stream(fh)
+        except (pa.ArrowInvalid, OSError):
+            return  # killed while writing the schema: no records in it
+        check_schema(reader.schema, table, shard)
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (pa.ArrowInvalid, OSError):
+                break  # truncated mid-batch: keep what was read
+            try:
+                batch.validate(full=True)
+            except pa.ArrowInvalid:
+                break  # a batch cut or damaged at the end: keep what was read
+            yield batch
+
+
+_UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
+
+
+def _rows_batches(shard: Path, table: str) -> Iterator[pa.RecordBatch]:
+    """The batches of a ``.rows`` shard as record batches of the header's columns that the
+    table has (typed by its schema; columns it does not know are left out, as in an Arrow
+    shard). A batch cut at the end (a kill) ends the file silently; anything else that does
+    not read is a ``DataError`` naming the file."""
+    for batch, _ in _rows_from(shard, table, None, 0):
+        if not isinstance(batch, tuple):  # the header's columns
+            yield batch
+
+
+def _rows_from(shard: Path, table: str, head: tuple | None, offset: int
+               ) -> Iterator[tuple[pa.RecordBatch | tuple, int]]:
+    """``_rows_batches`` from byte ``offset`` on, each batch with the offset after it.
+    ``head``: the shard's columns (known fields, their schema, how many a batch holds) as a
+    first yield gave them (``offset`` 0: read from the header, yielded first as a tuple)."""
+    schema = SHARD_SCHEMAS[table]
+    with open(shard, "rb") as fh:
+        if head is None:
+            first = fh.read(1)
+            if not first:
+                return  # a process that wrote nothing
+            fh.seek(0)
+            unpacker = rows.unpacker(fh)
+            try:
+                header = next(unpacker) if rows.starts_with_map(first) else None
+            except StopIteration:
+                return  # killed while writing the header: no records in it
+            except _UNPACK_ERRORS:
+                header = None
+            problem = rows.header_problem(header, table)
+            if problem:
+                raise DataError(f"{shard}: {problem}; remove it or restore the run's own file")
+            names = header["columns"]
+            known = [(i, schema.field(n)) for i, n in enumerate(names) if n in schema.names]
+            have = pa.schema([f for _, f in known])
+            check_schema(have, table, shard)
+            head = (known, have, len(names))
+            base = 0
+            if offset == 0:
+                yield head, unpacker.tell()
+        else:
+            fh.seek(offset)
+            unpacker = rows.unpacker(fh)
+            base = offset
+        known, have, n_names = head
+        while True:
+            try:
+                batch = next(unpacker)
+            except StopIteration:
+                return  # the end, or a batch cut by a kill: everything before it is kept
+            except _UNPACK_ERRORS as exc:
+                raise DataError(f"{shard}: damaged after its first {base + unpacker.tell()} "
+                                f"bytes ({exc}); restore the run's own file, or remove "
+                                "it") from None
+            problem = rows.batch_problem(batch, n_names)
+            if problem:
+                raise DataError(f"{shard}: {problem}; the file is damaged: restore the run's "
+                                "own file, or remove it")
+            arrays = []
+            for i, f in known:
+                try:
+                    arrays.append(pa.array(batch[i], type=f.type))
+                except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                    raise DataError(f"{shard}: column {f.name} does not read as {f.type} "
+                                    f"({str(exc).splitlines()[0][:160]}); restore the run's "
+                                    "own file") from None
+            yield pa.RecordBatch.from_arrays(arrays, schema=have), base + unpacker.tell()
+
+
+class ShardTail:
+    """One table's live shards, read as they grow: each ``read`` parses only the batches
+    completed since the last (a running capacity search reads its records every half second;
+    reading every shard whole each time made a poll's cost grow with the run: the search's
+    own process went from 8% to 36% of a core over 80 s of a ground-truth search). ``.arrows``
+    shards (collectors, older runs) are read whole each time. The table it returns holds the
+    shards' records only (``columns``, conformed as ``scan`` does), never a parquet file."""
+
+    def __init__(self, run_dir: Path | str, table: str,
+                 columns: Sequence[str] | None = None) -> None:
+        self.run_dir, self.table, self.columns = Path(run_dir), table, columns
+        self._shards: dict[Path, tuple] = {}  # shard -> (head, offset after its last batch)
+        self._batches: list[pa.RecordBatch] = []
+
+    def read(self) -> pa.Table:
+        schema = SHARD_SCHEMAS[self.table]
+        other = []
+        for shard in shard_files(self.run_dir, self.table):
+            try:
+                if shard.suffix != rows.ROWS_SUFFIX:
+                    other += [_conform(b, schema, self.columns, shard, self.table, False)
+                              for b in _arrows_batches(shard, self.table)]
+                    continue
+                head, offset = self._shards.get(shard, (None, 0))
+                for batch, end in _rows_from(shard, self.table, head, offset):
+                    if isinstance(batch, tuple):
+                        head = batch
+                    else:
+                        self._batches.append(_conform(batch, schema, self.columns, shard,
+                                                      self.table, False))
+                    offset = end
+                if head is not None:
+                    self._shards[shard] = (head, offset)
+            except OSError as exc:
+                raise DataError(f"{shard}: cannot be read ({exc.strerror or exc}); check its "
+                                "permissions or remove it") from None
+        batches = self._batches + other
+        if batches:
+            return pa.Table.from_batches(batches)
+        empty = schema.empty_table()
+        return empty.select(list(self.columns)) if self.columns is not None else empty
+
+
+def _parquet_batches(pfile: Path, table: str, read_cols: Sequence[str] | None,
+                     batch_size: int) -> Iterator[pa.RecordBatch]:
+    """Record batches of a table's parquet file; a file that is not Parquet, is cut short,
+    damaged or of another schema is a ``DataError`` naming it."""
+    def damaged(exc: Exception) -> DataError:
+        size = pfile.stat().st_size if pfile.exists() else 0
+        what = ("empty (0 bytes)" if size == 0 else
+                f"not a readable Parquet file ({str(exc).splitlines()[0][:160]})")
+        return DataError(f"{pfile}: {what}; the run's {table} records cannot be read: restore "
+                         "the file or rerun the run")
+    try:
+        pf = pq.ParquetFile(pfile)
+        have = pf.schema_arrow
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise damaged(exc) from None
+    check_schema(have, table, pfile)
+    read = [c for c in (read_cols or TABLES[table].names) if c in have.names]
+    try:
+        for batch in pf.iter_batches(batch_size=batch_size, columns=read):
+            yield batch
+    except (pa.ArrowException, OSError, ValueError, IndexError, EOFError) as exc:
+        raise damaged(exc) from None
+
+
+def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
+         batch_size: int = 65_536, parquet: bool = True,
+         shards: bool = True, strict: bool = False) -> Iterator[pa.RecordBatch]:
+    """The one reader of a run's tables: record batches of ``<table>.parquet`` (if compacted),
+    then of its live shards, each conformed to schema v1 (``columns`` only, missing columns of
+    older files as nulls). A damaged file is a ``DataError`` naming it; ``strict`` (readers of
+    finished runs: reports, the gate) also refuses records without the values every finished
+    record has (``NOT_NULL``) and unknown statuses."""
+    run_dir = Path(run_dir)
+    schema = TABLES[table]
+    if columns is not None:
+        unknown = [c for c in columns if c not in schema.names]
+        if unknown:
+            raise ValueError(f"{table} has no column(s) {unknown}")
+    pfile = run_dir / f"{table}.parquet"
+    if parquet and pfile.exists():
+        for batch in _parquet_batches(pfile, table, columns, batch_size):
+            yield _conform(batch, schema, columns, pfile, table, strict)
+    if shards:
+        for shard, batch in _shard_batches(run_dir, table):
+            yield _conform(batch, schema, columns, shard, table, strict)
+
+
+def read_table(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
+               **kw) -> pa.Table:
+    """One table of a run (``scan`` gathered): parquet plus any live shards."""
+    schema = TABLES[table]
+    batches = list(scan(run_dir, table, columns, **kw))
+    if batches:
+        return pa.Table.from_batches(batches)
+    empty = schema.empty_table()
+    return empty.select(list(columns)) if columns is not None else empty
+
+
+def read_shards(run_dir: Path | str, table: str) -> pa.Table:
+    """The live shards of a table only (not its parquet)."""
+    return read_table(run_dir, table, parquet=False)
+
+
