@@ -49,7 +49,7 @@ class FaultConfig(_Strict):
 class EmulatorConfig(_Strict):
     """One emulated endpoint. Times in ms, sizes in bytes, bandwidths in GB/s (1e9 B/s)."""
 
-    topology: str = Field(default_factory=lambda: topologies.default().name)
+    topology: str = Field(default_factory=lambda: topologies.default().name)  # registered
     model_name: str = "kvbench-llama-3-70b"
     max_model_len: int = Field(default=131072, gt=0)
     hardware: Literal["h100", "h200"] = "h200"
@@ -69,7 +69,7 @@ class EmulatorConfig(_Strict):
     max_num_seqs: int = Field(default=256, gt=0)
     frontend_us_per_prompt_token: float = Field(default=cm.FRONTEND_US_PER_PROMPT_TOKEN, ge=0)
     default_max_tokens: int = Field(default=256, gt=0)  # chat requests without max_tokens
-    # colocated: replicas behind a cache-aware balancer (2 = the GPUs of 1 prefill + 1 decode).
+    # engines of a topology of replicas; None: its module's default (kvbench.model.topologies)
     replicas: int | None = Field(default=None, gt=0)
     prefill_gpus: int = Field(default=1, gt=0)
     decode_gpus: int = Field(default=1, gt=0)
