@@ -38,7 +38,8 @@ TOPOLOGY = Topology(
     description="two prefill GPUs per decode GPU",
     layout=lambda o: Layout((Pool(PREFILL, 2 * o.decode_gpus, "p"),
                              Pool(DECODE, o.decode_gpus, "d", entry=False))),
-    gpus_how=lambda o: f"{2 * o.decode_gpus} prefill + {o.decode_gpus} decode (options.decode_gpus)",
+    gpus_how=lambda o: (f"{2 * o.decode_gpus} prefill + {o.decode_gpus} decode "
+                        "(options.decode_gpus)"),
     splits_prefill_decode=True,
 )
 '''
