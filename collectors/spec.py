@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ROLES = ("prefill", "decode", "colocated", "cache")
+from kvbench.model.topologies.base import ROLES  # the parts a GPU plays, as the emulator's
 
 
 class _Strict(BaseModel):

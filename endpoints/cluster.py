@@ -8,45 +8,38 @@ from kvbench.endpoints.config import Resolved
 from kvbench.endpoints.engine import Engine
 from kvbench.endpoints.router import Router
 from kvbench.endpoints.seq import Seq
+from kvbench.model import topologies
+from kvbench.model.topologies.base import PREFILL
 
 
 class Cluster:
-    """colocated / offloaded: replicas behind a cache-aware balancer; disaggregated: a prefill
-    pool, a link, a decode pool; routed: regions x replicas behind the configured router."""
+    """The engines of the endpoint's topology, as its layout lists them: entry pools behind the
+    router, and pools that take prefilled requests over the P/D link."""
 
     def __init__(self, res: Resolved):
         self.res = res
         cfg = res.cfg
-        self.topology = cfg.topology
+        self.topology = topologies.get(cfg.topology)
         self.engines: list[Engine] = []
         self.decode_pool: list[Engine] = []
         self._link_free: dict[str, float] = {}
         regions: dict[str, list[Engine]] = {}
-        home = res.region_names[0]
-        if cfg.topology in ("colocated", "offloaded"):
-            n = res.replicas()
-            regions[home] = [self._engine(f"r{i}", "colocated", home,
-                                          offload=cfg.topology == "offloaded")
-                             for i in range(n)]
-            strategy = "REGIONAL"
-        elif cfg.topology == "disaggregated":
-            regions[home] = [self._engine(f"p{i}", "prefill", home)
-                             for i in range(cfg.prefill_gpus)]
-            self.decode_pool = [self._engine(f"d{i}", "decode", home)
-                                for i in range(cfg.decode_gpus)]
-            strategy = "REGIONAL"
-        else:
-            for r, name in enumerate(res.region_names):
-                regions[name] = [self._engine(f"{name}/r{i}", "colocated", name)
-                                 for i in range(cfg.replicas_per_region)]
-            strategy = cfg.router
-        self.router = Router(strategy, regions, cfg.cross_region_rtt_ms, res.prefill_tok_per_ms,
-                             cfg.block_tokens)
+        layout = self.topology.layout(cfg)
+        for pool in layout.pools:
+            region = res.region_names[pool.region]
+            prefix = pool.prefix.format(region=region)
+            engines = [self._engine(f"{prefix}{i}", pool.role, region) for i in range(pool.count)]
+            if pool.entry:
+                regions.setdefault(region, []).extend(engines)
+            else:
+                self.decode_pool.extend(engines)
+        self.router = Router(layout.router, regions, cfg.cross_region_rtt_ms,
+                             res.prefill_tok_per_ms, cfg.block_tokens)
 
-    def _engine(self, name: str, role: str, region: str, offload: bool = False) -> Engine:
+    def _engine(self, name: str, role: str, region: str) -> Engine:
         eng = Engine(self.res, name, role, region, gpu=len(self.engines),
-                     on_prefilled=self._handoff if role == "prefill" else None,
-                     offload=offload)
+                     on_prefilled=self._handoff if role == PREFILL else None,
+                     offload=self.topology.offloads_kv)
         self.engines.append(eng)
         return eng
 
@@ -65,7 +58,7 @@ class Cluster:
         scale = cfg.time_scale / 1e3
         eng, cross = self.router.pick(seq, caller, residency)
         delay_ms = seq.n_prompt * cfg.frontend_us_per_prompt_token / 1e3 \
-            + self.res.offload_request_overhead_ms * (self.topology == "offloaded")
+            + self.res.offload_request_overhead_ms * self.topology.offloads_kv
         if cross:
             seq.network_ms = cfg.cross_region_rtt_ms
             delay_ms += cfg.cross_region_rtt_ms
@@ -91,10 +84,10 @@ class Cluster:
                 n += tier.clear() if tier is not None else 0
         return n
 
-    def _handoff(self, seq: Seq) -> None:
-        """Prefill done: move the prompt's KV over the link, then queue on a decode GPU."""
+    def _handoff(self, src: Engine, seq: Seq) -> None:
+        """Prefill done on ``src``: move the prompt's KV over the link, then queue on a decode
+        GPU."""
         loop = asyncio.get_running_loop()
-        src = seq.engine
         cfg = self.res.cfg
         scale = cfg.time_scale / 1e3
         dst = min(self.decode_pool, key=lambda e: (e.num_running + e.num_waiting,

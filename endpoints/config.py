@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvbench.model import costmodel as cm
 from kvbench.model import profiles as pf
+from kvbench.model import topologies
 
-TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed")
 SLOWDOWN_MAX = 100.0  # options.slowdown: beyond it, a probe of the endpoint would never end
 FAULT_KINDS = ("error", "rate_limit", "stall_before", "stall_mid", "reset", "malformed",
                "slow_headers")
@@ -49,7 +49,7 @@ class FaultConfig(_Strict):
 class EmulatorConfig(_Strict):
     """One emulated endpoint. Times in ms, sizes in bytes, bandwidths in GB/s (1e9 B/s)."""
 
-    topology: Literal["colocated", "disaggregated", "offloaded", "routed"] = "colocated"
+    topology: str = Field(default_factory=lambda: topologies.default().name)  # registered
     model_name: str = "kvbench-llama-3-70b"
     max_model_len: int = Field(default=131072, gt=0)
     hardware: Literal["h100", "h200"] = "h200"
@@ -69,7 +69,7 @@ class EmulatorConfig(_Strict):
     max_num_seqs: int = Field(default=256, gt=0)
     frontend_us_per_prompt_token: float = Field(default=cm.FRONTEND_US_PER_PROMPT_TOKEN, ge=0)
     default_max_tokens: int = Field(default=256, gt=0)  # chat requests without max_tokens
-    # colocated: replicas behind a cache-aware balancer (2 = the GPUs of 1 prefill + 1 decode).
+    # engines of a topology of replicas; None: its module's default (kvbench.model.topologies)
     replicas: int | None = Field(default=None, gt=0)
     prefill_gpus: int = Field(default=1, gt=0)
     decode_gpus: int = Field(default=1, gt=0)
@@ -101,6 +101,11 @@ class EmulatorConfig(_Strict):
     hostname: str = "kvbench-emulator"
     faults: FaultConfig = FaultConfig()
 
+    @field_validator("topology", mode="before")
+    @classmethod
+    def _known(cls, v):
+        return topologies.accept(v)
+
     @field_validator("slowdown")
     @classmethod
     def _slowdown(cls, v: float) -> float:
@@ -131,19 +136,8 @@ class EmulatorConfig(_Strict):
 
 
 def gpu_count(cfg: EmulatorConfig) -> tuple[int, str]:
-    """The GPUs an emulated endpoint runs (each engine is one GPU) and how they add up:
-    colocated and offloaded, their replicas (offloaded KV in DRAM or on disk is no GPU);
-    disaggregated, its prefill and decode GPUs; routed, its regions times replicas."""
-    if cfg.topology in ("colocated", "offloaded"):
-        n = Resolved.replicas_of(cfg)
-        return n, f"{n} replica{'s' * (n != 1)} (options.replicas)"
-    if cfg.topology == "disaggregated":
-        return (cfg.prefill_gpus + cfg.decode_gpus,
-                f"{cfg.prefill_gpus} prefill + {cfg.decode_gpus} decode "
-                "(options.prefill_gpus, options.decode_gpus)")
-    return (cfg.regions * cfg.replicas_per_region,
-            f"{cfg.regions} regions x {cfg.replicas_per_region} replicas "
-            "(options.regions, options.replicas_per_region)")
+    """The GPUs an emulated endpoint runs (each engine is one GPU) and how they add up."""
+    return topologies.get(cfg.topology).gpus(cfg)
 
 
 def validate_options(topology: str, options: dict) -> EmulatorConfig:
@@ -237,18 +231,6 @@ class Resolved:
                                dram_gb_s=c.dram_gb_s, disk_gb_s=c.disk_gb_s,
                                block_tokens=c.block_tokens, chunk_tokens=c.lmcache_chunk_tokens,
                                us_per_unit=c.tier_us_per_load_unit)
-
-    def replicas(self) -> int:
-        return self.replicas_of(self.cfg)
-
-    @staticmethod
-    def replicas_of(c: EmulatorConfig) -> int:
-        """Engines of a colocated or offloaded endpoint (default: 2 colocated, the GPUs of one
-        prefill and one decode GPU; 1 offloaded)."""
-        if c.replicas is not None:
-            return c.replicas
-        return 2 if c.topology == "colocated" else 1
-
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)

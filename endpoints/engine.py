@@ -32,7 +32,8 @@ class Engine:
     """One simulated GPU (a replica, or one GPU of a prefill or decode pool)."""
 
     def __init__(self, res: Resolved, name: str, role: str, region: str, gpu: int,
-                 on_prefilled: Callable[[Seq], None] | None = None, offload: bool = False):
+                 on_prefilled: Callable[[Engine, Seq], None] | None = None,
+                 offload: bool = False):
         self.res = res
         self.cfg = res.cfg
         self.name = name
@@ -98,7 +99,6 @@ class Engine:
                 pass
 
     def add(self, seq: Seq) -> None:
-        seq.engine = self
         seq.replica = self.name if not seq.replica else f"{seq.replica}>{self.name}"
         seq.region = self.region
         self.waiting.append(seq)
@@ -427,7 +427,7 @@ class Engine:
                 self._free(s)
                 s.prefilled = True
                 if self.on_prefilled is not None:
-                    self.on_prefilled(s)
+                    self.on_prefilled(self, s)
                 continue
             # The prefill step samples the next token.
             s.generated += 1

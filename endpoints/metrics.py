@@ -125,7 +125,7 @@ def render(cluster: Cluster) -> str:
         "enable_prefix_caching": "True", "num_gpu_blocks": res.capacity_blocks,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "cache_dtype": cfg.kv_dtype, "kv_offloading": cfg.offload
-        if cfg.topology == "offloaded" else "NATIVE_ONLY"}, 1)
+        if cluster.topology.offloads_kv else "NATIVE_ONLY"}, 1)
 
     # kvbench's own series
     out.family("kvbench:kv_bytes_moved_total", "counter",

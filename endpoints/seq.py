@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from kvbench.endpoints.engine import Engine
+from typing import Callable
 
 
 class Seq:
@@ -16,7 +13,7 @@ class Seq:
                  "held", "anon", "cached_tokens", "load_ms", "first_admit", "waiter",
                  "finished", "error", "cancelled", "replica", "region", "prefilled",
                  "t_arrival", "t_scheduled", "t_prefill_done", "t_transfer_done", "t_first",
-                 "t_done", "preemptions", "engine", "kv_transfer_ms", "network_ms", "sink",
+                 "t_done", "preemptions", "kv_transfer_ms", "network_ms", "sink",
                  "model_first_s", "model_decode_s")
 
     def __init__(self, rid: str, n_prompt: int, hashes: list[int], max_tokens: int,
@@ -53,7 +50,6 @@ class Seq:
         # modelled wall seconds of the decode steps after its first token (same exclusions)
         self.model_decode_s = 0.0
         self.preemptions = 0
-        self.engine: Engine | None = None
         self.kv_transfer_ms = 0.0
         self.network_ms = 0.0
         # Called with this Seq when tokens are ready (the server writes them to the socket

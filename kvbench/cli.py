@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from kvbench.core.errors import UserError
+from kvbench.model import topologies
 
 COMMANDS = {
     "run": "run the bench.toml matrix headless through Locust and write results",
@@ -15,7 +16,7 @@ COMMANDS = {
     "gate": "compare results with a baseline; exit code for CI",
     "history": "key metrics of recent runs in the results store",
     "recover": "write run.json of a killed run from its shards and job files",
-    "serve": "start a built-in reference endpoint (colocated, disaggregated, offloaded, routed)",
+    "serve": f"start a built-in reference endpoint ({', '.join(topologies.names())})",
     "collect": "run the remote telemetry agent on a GPU host",
     "workloads": "describe or generate workloads and traces",
     "locustfile": "print the path of an installed locustfile (locust -f \"$(kvbench locustfile "

@@ -214,10 +214,15 @@ def _spread_evidence(sub: pd.DataFrame, desc: dict) -> dict:
 
 
 def transfer_tax(d: ReportData) -> list[Finding]:
+    from kvbench.model import topologies
+
     f = d.frame
-    short = f[f["ok"] & (f["prompt_tokens"] < SHORT_PROMPT_TOKENS)]
-    colo = short[short["topology"] == "colocated"]
-    dis = short[short["topology"] == "disaggregated"]
+    # P/D split against plain replicas (no offload, no router), by the topologies' traits
+    split = f["topology"].isin(topologies.where(splits_prefill_decode=True))
+    plain = f["topology"].isin(topologies.where(splits_prefill_decode=False, offloads_kv=False,
+                                                routes=False))
+    short = f["ok"] & (f["prompt_tokens"] < SHORT_PROMPT_TOKENS)
+    colo, dis = f[short & plain], f[short & split]
     if len(colo) < MIN_ROWS or len(dis) < MIN_ROWS:
         return []
     c, dd = _median(colo["ttft_ms"]), _median(dis["ttft_ms"])
@@ -229,9 +234,8 @@ def transfer_tax(d: ReportData) -> list[Finding]:
     kv = _median(dis["server_kv_transfer_ms"])
     if not math.isnan(kv):
         ev.append(("median server-reported KV transfer (disaggregated)", _fmt(kv, "ms")))
-    long_ = f[f["ok"] & (f["prompt_tokens"] >= 4 * SHORT_PROMPT_TOKENS)]
-    lc = long_[long_["topology"] == "colocated"]["ttft_ms"]
-    ld = long_[long_["topology"] == "disaggregated"]["ttft_ms"]
+    long_ = f["ok"] & (f["prompt_tokens"] >= 4 * SHORT_PROMPT_TOKENS)
+    lc, ld = f[long_ & plain]["ttft_ms"], f[long_ & split]["ttft_ms"]
     if len(lc) >= MIN_ROWS and len(ld) >= MIN_ROWS:
         ev.append((f"for prompts >= {4 * SHORT_PROMPT_TOKENS} tokens (dis. / colo.)",
                    f"{_fmt(_median(ld), 'ms')} / {_fmt(_median(lc), 'ms')}"))

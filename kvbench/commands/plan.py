@@ -89,7 +89,7 @@ def run(args) -> int:
         print(f"  reload from {t}: {be['load_ms']:.1f} ms vs recompute {be['recompute_ms']:.1f} ms")
     print(f"\nColocated vs disaggregated ({d['pd_output_tokens']} output tokens, 2 requests per "
           "GPU; request ms)")
-    print(f"  {'prompt':>7} {'colocated':>10} {'disagg RDMA':>12} {'disagg TCP':>11}")
+    print(f"  {'prompt':>7}  colocated {'disagg RDMA':>12} {'disagg TCP':>11}")
     for r in d["pd"]:
         print(f"  {r['prompt_tokens']:>7} {r['colocated_ms']:>10.0f} "
               f"{r['disaggregated_rdma_ms']:>12.0f} {r['disaggregated_tcp_ms']:>11.0f}")

@@ -11,13 +11,13 @@ from pathlib import Path
 import orjson
 
 from kvbench.core.errors import UserError
-
-TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed")
+from kvbench.model import topologies
 
 
 def add_parser(p) -> None:
-    p.add_argument("--topology", choices=TOPOLOGIES, default="colocated",
-                   help="which serving design to emulate (default: colocated)")
+    default = topologies.default().name
+    p.add_argument("--topology", choices=topologies.names(), default=default,
+                   help=f"which serving design to emulate (default: {default})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default 8000)")
     p.add_argument("--config", help="TOML file of emulator settings (endpoints.config)")

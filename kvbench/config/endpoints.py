@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvbench import engines
 from kvbench.core import redact
+from kvbench.model import topologies
 from kvbench.workloads.specs import MAX_TOKENS, Name, Strict
 
 DEFAULT_CONTEXT_TOKENS = 131072
@@ -21,7 +22,7 @@ class BuiltinEndpoint(Strict):
 
     kind: Literal["builtin"] = "builtin"
     name: Name
-    topology: Literal["colocated", "disaggregated", "offloaded", "routed"]
+    topology: str  # a registered topology (kvbench.model.topologies)
     options: dict = Field(default_factory=dict)  # endpoints.config settings (see kvbench serve)
     max_context_tokens: int = Field(default=DEFAULT_CONTEXT_TOKENS, gt=0, le=MAX_TOKENS)
     model: str = "kvbench-llama-3-70b"
@@ -50,6 +51,11 @@ class BuiltinEndpoint(Strict):
                              "derive it from their topology) or change those options")
         return n
 
+    @field_validator("topology", mode="before")
+    @classmethod
+    def _topology(cls, v):
+        return topologies.accept(v)
+
 
 class OpenAIEndpoint(Strict):
     """Any OpenAI-compatible server the user runs (vLLM, SGLang, Dynamo, a vendor...)."""
@@ -58,7 +64,8 @@ class OpenAIEndpoint(Strict):
     name: Name
     url: str  # base URL, e.g. http://127.0.0.1:8000
     model: str | None = None  # None: the first model /v1/models lists
-    topology: Literal["colocated", "disaggregated", "offloaded", "routed", "unknown"] = "unknown"
+    # A label for the reports: a registered topology's name or "unknown"; nothing is emulated.
+    topology: str = "unknown"
     api_key_env: str | None = None  # name of the environment variable holding the key
     max_context_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)  # None: /v1/models
     metrics_url: str | None = None  # engine /metrics to scrape; None: <url>/metrics
@@ -84,6 +91,11 @@ class OpenAIEndpoint(Strict):
         if self.api_key_env:
             redact.add(os.environ.get(self.api_key_env))
         return self
+
+    @field_validator("topology", mode="before")
+    @classmethod
+    def _topology(cls, v):
+        return topologies.accept(v, labels=("unknown",))
 
     @field_validator("engine")
     @classmethod

@@ -24,7 +24,6 @@ import pyarrow as pa
 
 from kvbench.core.contract import SCHEMA_VERSION  # noqa: E402,F401 - one place
 
-TOPOLOGIES = ("colocated", "disaggregated", "offloaded", "routed", "unknown")
 STATUSES = ("ok", "http_error", "timeout", "disconnected", "protocol_error", "cancelled")
 
 REQUESTS = pa.schema([
