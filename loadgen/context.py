@@ -427,7 +427,7 @@ class LoadContext:
                 built_ahead.close()
         if runner is not None:
             runner.user_greenlets.join(timeout=5)
-        self.sink.meta["endpoint"] = self.job.endpoint.record()
+        self.sink.meta["endpoint"] = self.job.endpoint.record().to_dict()
         self.sink.meta["workload"] = self.workload_name
         if d is not None:
             self.sink.meta["counts"]["dropped_at_cap"] = d.dropped_at_cap

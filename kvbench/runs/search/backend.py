@@ -124,7 +124,7 @@ def _frames(job, index: int, slo: dict, requests, starts):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from kvbench.core import store
+    from kvbench.core.schema import TABLES
     from kvbench.reports.frame import request_frame
 
     def mine(t):
@@ -143,7 +143,7 @@ def _frames(job, index: int, slo: dict, requests, starts):
     if pend.num_rows:
         n = pend.num_rows
         cols_p = {c: pend.column(c) for c in pend.column_names}
-        full = {f.name: cols_p.get(f.name, pa.nulls(n, f.type)) for f in store.TABLES["requests"]}
+        full = {f.name: cols_p.get(f.name, pa.nulls(n, f.type)) for f in TABLES["requests"]}
         full["status"] = pa.array(["cancelled"] * n)
         table = pa.table(full)
         pending = request_frame(table.select(
