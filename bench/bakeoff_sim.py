@@ -163,9 +163,8 @@ def searched(topology: str, options: dict, reqs, slo, spec: dict, seed: int,
              prime: list | None = None) -> tuple:
     """One capacity search over the sim: (bracket, probe trail)."""
     b = MixBackend(topology, options, reqs, slo, seed, prime)
-    planner, state = search.drive(b, spec, say=lambda line: None)
-    trail = " ".join(f"{p['rate_rps']:g}{(p.get('verdict') or 'v')[0].upper()}"
-                     for p in state["probes"])
+    planner, control = search.drive(b, spec, say=lambda line: None)
+    trail = " ".join(f"{p.rate_rps:g}{(p.verdict or 'v')[0].upper()}" for p in control.probes)
     return planner.bracket(), trail + f"  [{b.now():.0f} s]"
 
 
@@ -220,7 +219,7 @@ def search_spec(config: Path, profile: str, workload: str = "mix") -> dict:
     cfg = load_config(config)
     job = resolve(cfg, workload=workload, endpoint=cfg.endpoints[0].name, url="http://127.0.0.1:9",
                   profile=profile, run_id="sim", results_dir=Path("/tmp"))
-    return dict(job.search)
+    return job.search.to_dict()
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ class SimBackend:
         self.rng = np.random.default_rng(seed)
         self.cluster = Cluster(validate_options("colocated", options).resolved())
         self.loop.run_until_complete(self._start())
-        self.state: dict = {}
+        self.control: search.Control | None = None  # as last published
         self.seen_probes = 0
         self.reqs: dict[int, list[dict]] = {}  # probe -> request rows
         self.tasks: dict[int, list[asyncio.Task]] = {}
@@ -102,17 +102,16 @@ class SimBackend:
         self.cluster.start()
 
     # -- the backend interface
-    def publish(self, state: dict) -> None:
-        self.state = state
-        probes = state.get("probes", [])
-        while self.seen_probes < len(probes):
-            p = probes[self.seen_probes]
+    def publish(self, control: search.Control) -> None:
+        self.control = control
+        while self.seen_probes < len(control.probes):
+            p = control.probes[self.seen_probes]
             self.seen_probes += 1
-            self._begin(int(p["index"]), float(p["rate_rps"]), float(p["duration_s"]))
-        for i in state.get("end", []):
+            self._begin(p.index, float(p.rate_rps), p.duration_s)
+        for i in control.end:
             if i in self.arrivals:
                 self.arrivals[i].cancel()
-        for i in state.get("cut", []):
+        for i in control.cut:
             if i not in self.cut_done:
                 self.cut_done.add(i)
                 self._cut(i)
@@ -322,12 +321,12 @@ def main() -> None:
     for k in range(a.seeds):
         seed = a.seed_base + k
         b = SimBackend(a.options, a.prompt, a.output, a.slo, seed)
-        planner, state = search.drive(b, spec_of(a), say=lambda line: None)
+        planner, control = search.drive(b, spec_of(a), say=lambda line: None)
         lo, hi = planner.bracket()
         err = (lo / cap_true - 1) if lo else math.nan
         errs.append(err)
-        trail = " ".join(f"{p['rate_rps']:g}{(p.get('verdict') or 'v')[0].upper()}"
-                         for p in state["probes"])
+        trail = " ".join(f"{p.rate_rps:g}{(p.verdict or 'v')[0].upper()}"
+                         for p in control.probes)
         print(f"    seed {seed}: {lo} req/s ({err * 100:+.1f}%)  {trail}", flush=True)
     e = np.array(errs)
     ok = np.abs(e) <= a.tolerance

@@ -497,6 +497,27 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
     return out
 
 
+def capacity_text(cap: Capacity, fmt, unit: bool = False) -> str:
+    """The capacity at SLO in words, as the report's capacity table and kvbench run's line
+    both show it: the estimate, "≥" it where nothing failed (a lower bound), "–" where nothing
+    passed; a closed loop's in whole users, with the requests a second its users got answered
+    there. ``fmt(x[, "count"])``: the report's number format (``reports.render.fmt``, passed
+    in: render imports this module); ``unit``: the unit follows the number."""
+    closed = cap.unit == "users"
+    est = cap.estimate_rps
+
+    def num(x):
+        return fmt(x, "count") if closed else fmt(x)  # whole users
+
+    text = num(est) if cap.fail_rps is not None or est is None else f"≥ {num(est)}"
+    if unit and est is not None:
+        text += f" {cap.unit}"
+    got = (cap.at_capacity or {}).get("achieved_rps")
+    if closed and got is not None and got == got:
+        text += f" ({fmt(got)} req/s answered at {num(cap.capacity_rps)} users)"
+    return text
+
+
 def _ran_s(stage: dict) -> float:
     """The seconds a probe really sent load: from its start to its end (a cut or an early
     pass ends it before its planned ``duration_s``)."""

@@ -345,16 +345,11 @@ def build_capacity(d: ReportData) -> dict | None:
         at = c.at_capacity or {}
         br = c.breaks or {}
         closed = c.unit == "users"
-        got = at.get("achieved_rps")
         num = (lambda x: fmt(x, "count")) if closed else fmt  # whole users
         rows.append({
             "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
             "unit": c.unit, "loop": "closed loop: users" if closed else "open loop: req/s",
-            "capacity": c.estimate_rps, "capacity_text": (
-                num(c.estimate_rps) if c.fail_rps is not None or c.estimate_rps is None
-                else f"≥ {num(c.estimate_rps)}")
-            + (f" ({fmt(got)} req/s answered at {num(c.capacity_rps)} users)"
-               if closed and got is not None and got == got else ""),
+            "capacity": c.estimate_rps, "capacity_text": C.capacity_text(c, fmt),
             "passed": c.capacity_rps,
             "fail": c.fail_rps, "low": c.low_rps, "high": c.high_rps,
             "bracket": (f"{num(c.capacity_rps)} – {num(c.fail_rps)}" if c.fail_rps is not None

@@ -22,6 +22,7 @@ from kvbench.reports import capacity as C
 from kvbench.reports.data import load
 from kvbench.reports.metrics import request_frame
 from kvbench.reports.render import build_context, render_html
+from kvbench.core.contract import SearchSpec
 from kvbench.runs.search import Planner
 from kvbench_cli import run_config, tiny_chat_config
 
@@ -36,7 +37,7 @@ SPEC = {"loop": "closed", "start_users": 1, "max_users": 1024, "growth": 2.0, "t
 
 def search(capacity, spec):
     """The planner against an oracle that passes at or below ``capacity`` users."""
-    p = Planner(dict(spec))
+    p = Planner(SearchSpec.from_dict(spec))
     while (probe := p.next()) is not None:
         assert probe.index == len(p.history) and probe.rate_rps is None
         assert isinstance(probe.users, int) and 1 <= probe.users <= spec["max_users"]
@@ -72,7 +73,7 @@ def test_planner_brackets_a_known_concurrency_in_whole_users(capacity, start, gr
 
 
 def test_planner_refines_a_straddling_number_of_users():
-    p = Planner(dict(SPEC, start_users=8))
+    p = Planner(SearchSpec.from_dict(dict(SPEC, start_users=8)))
     first = p.next()
     p.record(first, "straddle")
     again = p.next()

@@ -45,12 +45,12 @@ def test_search_finds_the_simulated_capacity_within_ten_percent(seed):
     assert lo is not None and abs(lo / TRUTH - 1) <= 0.10, "\n".join(lines)
     assert b.now() <= SPEC["budget_s"] + SPEC["max_probe_s"] + SPEC["settle_s"]
     # every failed probe had its stragglers cut: none is left to weigh on the next probe
-    failed = {p["index"] for p in state["probes"] if p.get("verdict") == "fail"}
-    assert failed and failed <= set(state["cut"])
+    failed = {p.index for p in state.probes if p.verdict == "fail"}
+    assert failed and failed <= set(state.cut)
     b.sleep(0.1)  # the cancellations of the last probe land
     for i in failed:
         assert all(r["done"] for r in b.reqs[i])
-    assert state["done"]
+    assert state.done
 
 
 def test_a_rate_still_straddling_after_refinement_is_decided_on_its_estimate():
@@ -59,15 +59,15 @@ def test_a_rate_still_straddling_after_refinement_is_decided_on_its_estimate():
     seen = 0
     for seed in range(100, 110):
         _, planner, state, lines = _search(seed)
-        for p in state["probes"]:
-            why = p.get("why") or ""
+        for p in state.probes:
+            why = p.why or ""
             if "still straddling" not in why:
                 continue
             seen += 1
-            if p["verdict"] == "pass":
-                assert p.get("estimate") and "meets the target, not shown at 95%" in why
+            if p.verdict == "pass":
+                assert p.estimate and "meets the target, not shown at 95%" in why
             else:
-                assert p["verdict"] == "fail" and "counted as failed" in why
+                assert p.verdict == "fail" and "counted as failed" in why
         if seen >= 2:
             break
     assert seen, "no search met a rate straddling after its refinement"

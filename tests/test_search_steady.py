@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from search_sim import OPTIONS, SimBackend  # noqa: E402
 
 from kvbench.reports.capacity import in_flight_at, not_steady  # noqa: E402
+from kvbench.core.contract import SearchSpec  # noqa: E402
 from kvbench.runs import search  # noqa: E402
 
 
@@ -73,14 +74,14 @@ def test_in_flight_counts_sent_and_not_finished():
 
 def test_a_probe_lasts_a_few_response_times():
     spec = dict(probe_s=6.0, min_requests=30, max_probe_s=40.0)
-    p = search.Planner(spec)
+    p = search.Planner(SearchSpec.from_dict(spec))
     assert p.duration(10.0) == 6.0
     p.residence_s = 4.0
     assert p.duration(10.0) == search.STEADY_RESIDENCES * 4.0 + 1.0
     p.residence_s = 30.0
     assert p.duration(10.0) == 40.0  # at most max_probe_s
-    assert search.Planner({**spec, "steady_residences": 0}, residence_s=30.0).duration(10.0) \
-        == 6.0  # no floor
+    flat = search.Planner(SearchSpec.from_dict({**spec, "steady_residences": 0}), residence_s=30.0)
+    assert flat.duration(10.0) == 6.0  # no floor
 
 
 @pytest.fixture
@@ -98,13 +99,13 @@ def test_a_warm_up_runs_first_and_is_never_judged(_quiet_asyncio):
     b = SimBackend(dict(OPTIONS, time_scale=0.2), 64, 32, {"chat": {"ttft_ms": 100.0}}, 7)
     lines = []
     planner, state = search.drive(b, {**SPEC, "warmup_s": 8.0}, say=lines.append)
-    first = state["probes"][0]
-    assert first["role"] == "warmup" and first["verdict"] is None
-    assert first["rate_rps"] == SPEC["start_rps"] and first["duration_s"] == 8.0
+    first = state.probes[0]
+    assert first.role == "warmup" and first.verdict is None
+    assert first.rate_rps == SPEC["start_rps"] and first.duration_s == 8.0
     assert len(b.reqs[0]) == round(SPEC["start_rps"] * 8.0)  # it sent its load
     judged = [p for p, _ in planner.history]
     assert judged and all(p.index > 0 for p in judged)  # never in the plan's history
-    assert state["probes"][1]["role"] == "ramp" and state["probes"][1]["verdict"]
+    assert state.probes[1].role == "ramp" and state.probes[1].verdict
     assert any("warm-up" in line for line in lines)
 
 
@@ -125,7 +126,7 @@ def _watch(role: str, sent, done, residence: float, seconds: float, refine: int 
             "refine": refine}
     probe = search.Probe(3, len(sent) / seconds, seconds, role)
     w = search.Watch(lambda i: (frame, None, load), {"chat": {"ttft_ms": 500}}, probe, [],
-                     spec, 0.0, residence)
+                     SearchSpec.from_dict(spec), 0.0, residence)
     return w.step(seconds + 1.0)
 
 

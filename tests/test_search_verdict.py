@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from kvbench.config import load_config
 from kvbench.reports import capacity as C
 from kvbench.reports.resampling import proportion_interval
+from kvbench.core.contract import SearchSpec
 from kvbench.runs.search import Planner, Probe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,7 +175,7 @@ def test_saturation_signals():
 def search(capacity, spec=SPEC, noise=None):
     """Run the planner against an oracle that passes at or below ``capacity``; straddles
     within ``noise`` (relative) of it."""
-    p = Planner(dict(spec))
+    p = Planner(SearchSpec.from_dict(spec))
     spent = 0.0
     while (probe := p.next()) is not None:
         assert probe.index == len(p.history)
@@ -232,7 +233,7 @@ def test_capacity_is_confirmed_before_it_is_claimed():
             return "pass"
         return "fail"
 
-    p = Planner(dict(SPEC, start_rps=4.0, precision=0.1))
+    p = Planner(SearchSpec.from_dict(dict(SPEC, start_rps=4.0, precision=0.1)))
     while (probe := p.next()) is not None:
         p.record(probe, oracle(probe))
     lo, hi = p.bracket()
@@ -241,12 +242,12 @@ def test_capacity_is_confirmed_before_it_is_claimed():
     confirms = [q for q, _ in p.history if q.role == "confirm"]
     assert confirms[-1].rate_rps == lo and p.verdict_at(lo) == "pass"
     # a rate already judged on two probes (a refined straddle that passed) is not confirmed
-    q = Planner(dict(SPEC, start_rps=10.0, precision=0.5))
+    q = Planner(SearchSpec.from_dict(dict(SPEC, start_rps=10.0, precision=0.5)))
     for probe, v in ((Probe(0, 10.0, 10.0), "straddle"), (Probe(1, 10.0, 10.0, "refine"), "pass"),
                      (Probe(2, 12.0, 10.0), "fail")):
         q.record(probe, v)
     assert q.next() is None
-    assert Planner(dict(SPEC, confirm=False), [(Probe(0, 10.0, 10.0), "pass"),
+    assert Planner(SearchSpec.from_dict(dict(SPEC, confirm=False)), [(Probe(0, 10.0, 10.0), "pass"),
                                                (Probe(1, 10.5, 10.0), "fail")]).next() is None
 
 
@@ -289,7 +290,7 @@ def test_planner_stays_within_its_budget():
     spec = dict(SPEC, budget_s=45.0, probe_s=10.0, min_requests=1)
     p, spent = search(100.0, spec)
     assert spent <= 45.0 and len(p.history) == 4  # 10 s each: a fifth would overrun
-    p2 = Planner(dict(SPEC, probe_s=5.0, min_requests=30))
+    p2 = Planner(SearchSpec.from_dict(dict(SPEC, probe_s=5.0, min_requests=30)))
     assert p2.duration(1.0) == 30.0  # long enough for min_requests at a low rate
     assert p2.duration(100.0) == 5.0
     assert p2.duration(0.1) == 60.0  # capped by max_probe_s
@@ -401,3 +402,14 @@ def test_default_config_is_the_capacity_bake_off():
     assert prof.pacing == "search" and prof.search.target == 0.95
     assert cfg.profiles["ladder"].pacing == "poisson"  # kept: `kvbench run --profile ladder`
     assert {e.topology for e in cfg.endpoints} == {"colocated", "disaggregated", "offloaded"}
+
+
+def test_the_jobs_search_settings_are_the_configs():
+    """The job's copy of the search settings (read without pydantic by the load process) has
+    the config's fields and defaults: a setting added to one is added to the other."""
+    from dataclasses import fields
+
+    from kvbench.config.load import SearchSpec as ConfigSpec
+
+    ours = {f.name: f.default for f in fields(SearchSpec) if f.name != "extra"}
+    assert ours == ConfigSpec().model_dump()

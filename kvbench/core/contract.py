@@ -158,6 +158,41 @@ class SearchNote(Entry):
 
 
 @dataclass
+class SearchSpec(Entry):
+    """A capacity search's settings as the job carries them (``Job.search``) to kvbench run's
+    driver and the load process's probe feed: the config's ``SearchSpec`` (``config.load``,
+    which validates bench.toml and says what each setting means) with its durations scaled, as
+    a plain class the load process reads without pydantic. The defaults are the config's."""
+
+    start_rps: Num = 1.0
+    growth: Num = 2.0
+    target: Num = 0.95
+    confidence: Num = 0.95
+    probe_s: Num = 10.0
+    min_requests: Count = 30
+    max_probe_s: Num = 120.0
+    min_class_requests: Count = 5
+    refine: Count = 1
+    confirm: bool = True
+    precision: Num = 0.1
+    budget_s: Num = 300.0
+    max_rps: Num = 10_000.0
+    min_rps: Num = 0.05
+    settle_s: Num = 30.0
+    steady_residences: Num = 3.0
+    warmup_s: Num = 0.0
+    loop: str = "open"  # open | closed
+    start_users: Count = 1
+    max_users: Count = 1024
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def closed(self) -> bool:
+        """A closed-loop search: its levels are numbers of users (integers)."""
+        return self.loop == "closed"
+
+
+@dataclass
 class StageEntry(Entry):
     """One load stage as it ran: open loop at ``rate_rps``, or closed loop of ``users``."""
 

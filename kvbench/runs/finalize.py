@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from kvbench.core import redact, store
+from kvbench.core.contract import StageEntry
 from kvbench.core.errors import DataError, UserError
 from kvbench.runs import search
 
@@ -85,7 +86,8 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         "versions": store.versions(), "git_commit": source_commit(),
         "hosts": sorted({m.get("host") for m in metas if m.get("host")}),
         "endpoints": _endpoints(jobs, metas),
-        "stages": search.annotate(run_dir, merged["stages"]),  # capacity search probes
+        "stages": [s.to_dict() for s in search.annotate(  # capacity search probes
+            run_dir, [StageEntry.from_dict(s) for s in merged["stages"]])],
         "clock_offsets_ns": dict(clock_offsets_ns or {}), "telemetry": dict(telemetry or {}),
         "incomplete": notes, "counts": merged["counts"], "workloads": described,
         "workloads_sent": sent, "interrupted": bool(interrupted), "interruption": interrupted,

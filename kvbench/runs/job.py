@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvbench.core import redact
-from kvbench.core.contract import EndpointEntry
+from kvbench.core.contract import EndpointEntry, SearchSpec
 from kvbench.core.errors import UserError
 from kvbench.core.rows import new_run_id
 
@@ -94,7 +94,7 @@ class Job:
     profile: str | None = None
     suite: str = "locust"
     config: dict = field(default_factory=dict)  # BenchConfig.public_dump() for run.json
-    search: dict | None = None  # pacing "search": SearchSpec as JSON (durations scaled)
+    search: SearchSpec | None = None  # pacing "search": its settings (durations scaled)
     secret_headers: dict = field(default_factory=dict, repr=False)  # never written to a file
 
     @property
@@ -113,10 +113,10 @@ class Job:
         """``test x mix (ladder: poisson at 5,15 req/s, 3 s)`` for progress lines."""
         head = f"{self.endpoint.name} x {self.workload}"
         if self.pacing == "search":
-            start = (f"{self.search['start_users']} users" if self.search.get("loop") == "closed"
-                     else f"{self.search['start_rps']:g} req/s")
+            start = (f"{self.search.start_users} users" if self.search.closed
+                     else f"{self.search.start_rps:g} req/s")
             return (f"{head} ({self.profile}: capacity search from {start}, "
-                    f"budget {self.search['budget_s']:g} s)")
+                    f"budget {self.search.budget_s:g} s)")
         if self.pacing == "closed":
             st = self.stages[self.stage_index]
             return (f"{head} ({self.profile} stage {self.stage_index + 1}/{len(self.stages)}: "
@@ -147,6 +147,7 @@ class Job:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("secret_headers")
+        d["search"] = self.search.to_dict() if self.search is not None else None
         return redact.redact_obj(d)  # no URL password (the client never sends one) or secret
 
     @classmethod
@@ -154,6 +155,8 @@ class Job:
         d = dict(d)
         d["endpoint"] = JobEndpoint(**d["endpoint"])
         d["stages"] = [JobStage(**s) for s in d.get("stages", [])]
+        search = d.pop("search", None)
+        d["search"] = SearchSpec.from_dict(search) if search is not None else None
         d.pop("secret_headers", None)
         return cls(**d)
 
@@ -297,12 +300,12 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
     prof_name, prof = _profile(cfg, profile, where)
     search = None
     if prof is not None and prof.pacing == "search":
-        search = prof.search.model_dump(mode="json")
-        for k in ("probe_s", "max_probe_s", "budget_s", "settle_s"):
-            search[k] *= duration_scale
+        search = SearchSpec.from_dict(prof.search.model_dump(mode="json"))
+        search = search.replace(**{k: getattr(search, k) * duration_scale
+                                   for k in ("probe_s", "max_probe_s", "budget_s", "settle_s")})
         stages = stages or [
-            JobStage(0, search["budget_s"], users=search["start_users"])
-            if search["loop"] == "closed" else JobStage(0, search["budget_s"], search["start_rps"])]
+            JobStage(0, search.budget_s, users=search.start_users)
+            if search.closed else JobStage(0, search.budget_s, search.start_rps)]
     if stages is None:
         stages = ([JobStage(i, s.duration_s * duration_scale, s.rate_rps, s.users, s.requests)
                    for i, s in enumerate(prof.stages)] if prof is not None
