@@ -67,13 +67,12 @@ class Entry:
         return cls(**kw, extra=extra)
 
     def to_dict(self) -> dict:
-        """The JSON object (extra keys first, then the fields; nested entries as objects); an
-        optional field not set (None) is left out, as a reader takes it for null."""
+        """The JSON object (extra keys first, then every field, null where not set: a reader
+        of the file finds each key of the contract; nested entries as objects)."""
         out = dict(self.extra)
         for f in dc.fields(self):
-            value = getattr(self, f.name)
-            if f.name != "extra" and not (value is None and f.default is None):
-                out[f.name] = _plain(value)
+            if f.name != "extra":
+                out[f.name] = _plain(getattr(self, f.name))
         return out
 
     # -- transitional: dict-style reading (``entry.get("x")``) for readers not yet converted
