@@ -55,7 +55,8 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     (host, off), = out.clock_offsets_ns.items()
     assert abs(off - 3_000_000_000) < 50_000_000
     assert not store.shard_files(tmp_path)  # compacted
-    finalize(tmp_path, meta={"run_id": "t", **out})  # the one run.json writer
+    finalize(tmp_path, telemetry=out.telemetry, incomplete=out.incomplete,  # run.json's writer
+             clock_offsets_ns=out.clock_offsets_ns, meta={"run_id": "t"})
     res = store.load_results(tmp_path)
     gpu = res.tables["gpu"].to_pandas()
     eng = res.tables["engine"].to_pandas()
