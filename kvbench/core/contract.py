@@ -163,7 +163,8 @@ class StagePlan(Entry):
     loop of ``users``, for ``duration_s`` (already scaled), ended early after ``requests`` sent
     when given. The job carries these, the job file holds them serialised, the pacing runs
     them (a process's own plan carries its share of ``requests``); ``StageEntry.of`` makes
-    what ran of one."""
+    what ran of one, copying every field the two share by name (so a planned field run.json
+    shows is added here and to ``StageEntry``, nowhere else)."""
 
     index: Count = 0
     duration_s: Num = 0.0
@@ -213,8 +214,8 @@ class StageEntry(Entry):
         """The entry of a stage run from ``plan``; ``ran``: what the plan does not say (the
         endpoint, workload, pacing, times, loop pauses), and any of its fields to set apart
         (a process's plan holds its share of ``requests``, the entry the whole count)."""
-        planned = dict(index=plan.index, duration_s=plan.duration_s, rate_rps=plan.rate_rps,
-                       users=plan.users, requests=plan.requests)
+        names = {f.name for f in dc.fields(cls)} - {"extra"}
+        planned = {f.name: getattr(plan, f.name) for f in dc.fields(plan) if f.name in names}
         return cls(**{**planned, **ran})
 
     @property
