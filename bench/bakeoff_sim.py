@@ -58,8 +58,7 @@ def prompts(config: Path, workload: str) -> tuple[list[tuple], dict]:
         text = req.prompt if req.messages is None else tok.render_chat(list(req.messages))
         tokens = tok.tokens(text)
         out.append((req.request_class, len(tokens), block_hashes(tokens, 16), req.max_tokens))
-    slo = {k: {m: v for m, v in dict(s).items() if v is not None}
-           for k, s in job.slo.items()}
+    slo = {k: s.limits() for k, s in job.slo.items()}
     return out, slo
 
 

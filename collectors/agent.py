@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 
 from kvbench.collectors.nvml import NvmlSampler
 from kvbench.collectors.roles import role_for
+from kvbench.core.contract import Incomplete
 from kvbench.core.errors import UserError
 from kvbench.core.schema import GPU
 
@@ -350,20 +351,20 @@ class AgentPuller:
         nvml = (self.agent_status or {}).get("nvml", "ok")
         return {key: "ok" if nvml == "ok" else f"agent reachable, but its NVML is off: {nvml}"}
 
-    def incomplete(self) -> list[dict]:
+    def incomplete(self) -> list[Incomplete]:
         out = []
         if self.failures:
-            out.append({"what": f"pulls from collector agent {self.url}",
-                        "why": f"{self.failures} of {self.pulls} pulls failed; last: "
-                               f"{self.last_error}"})
+            out.append(Incomplete(f"pulls from collector agent {self.url}",
+                                  f"{self.failures} of {self.pulls} pulls failed; last: "
+                                  f"{self.last_error}"))
         if self.restarts:
-            out.append({"what": f"collector agent {self.url}",
-                        "why": f"restarted {self.restarts} time(s) during the run; samples it "
-                               "took before each restart and not yet pulled are lost"})
+            out.append(Incomplete(f"collector agent {self.url}",
+                                  f"restarted {self.restarts} time(s) during the run; samples "
+                                  "it took before each restart and not yet pulled are lost"))
         dropped = (self.agent_status or {}).get("dropped_rows", 0)
         if dropped:
-            out.append({"what": f"samples on collector agent {self.url}",
-                        "why": f"{dropped} oldest rows dropped at the agent's memory cap"})
+            out.append(Incomplete(f"samples on collector agent {self.url}",
+                                  f"{dropped} oldest rows dropped at the agent's memory cap"))
         return out
 
 

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbench.collectors.roles import role_for
 from kvbench.collectors.sink import Columns
+from kvbench.core.contract import Incomplete
 from kvbench.core.schema import ENGINE, GPU
 from kvbench.engines import EngineAdapter, detect, get
 
@@ -199,9 +200,9 @@ class PrometheusScraper:
             out[f"dcgm:{self.endpoint}"] = "ok"
         return out
 
-    def incomplete(self) -> list[dict]:
+    def incomplete(self) -> list[Incomplete]:
         if not self.failures:
             return []
-        return [{"what": f"scrape of {self.url} ({self.endpoint})",
-                 "why": f"{self.failures} of {self.scrapes} scrapes failed; last: "
-                        f"{self.last_error}"}]
+        return [Incomplete(f"scrape of {self.url} ({self.endpoint})",
+                           f"{self.failures} of {self.scrapes} scrapes failed; last: "
+                           f"{self.last_error}")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,7 @@ from kvbench.collectors.nvml import NvmlSampler
 from kvbench.collectors.prometheus import PrometheusScraper
 from kvbench.collectors.sink import ShardSink
 from kvbench.core import store
+from kvbench.core.contract import Incomplete
 
 
 def metrics_url_for(endpoint: dict) -> str | None:
@@ -34,6 +36,17 @@ def _log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass
+class Collected:
+    """What the collectors give run.json: ``telemetry`` (source -> "ok" or why it is
+    missing), ``incomplete`` notes, and ``clock_offsets_ns`` (host -> ns to add to that
+    agent's clock)."""
+
+    telemetry: dict[str, str]
+    incomplete: list[Incomplete]
+    clock_offsets_ns: dict[str, int]
+
+
 class CollectorHandle:
     """What ``start_collectors`` returns; ``stop()`` once, at the end of the run."""
 
@@ -48,18 +61,18 @@ class CollectorHandle:
         self.scrapers = scrapers
         self.pullers = pullers
         self._telemetry = telemetry
-        self._result: dict | None = None
+        self._result: Collected | None = None
         self._lock = threading.Lock()
 
-    def stop(self, compact: bool = True) -> dict:
+    def stop(self, compact: bool = True) -> Collected:
         """Stops every collector (a last scrape and a last pull first), closes the shards,
         compacts them into ``gpu.parquet`` / ``engine.parquet`` when ``compact``, and returns
-        ``{"telemetry", "incomplete", "clock_offsets_ns"}`` for run.json."""
+        what run.json gets of them."""
         with self._lock:
             if self._result is not None:
                 return self._result
             telemetry = dict(self._telemetry)
-            incomplete: list[dict] = []
+            incomplete: list[Incomplete] = []
             offsets: dict[str, int] = {}
             threads = []
             if self.sampler is not None:
@@ -75,10 +88,9 @@ class CollectorHandle:
                 telemetry["nvml"] = ("ok" if self.sampler.status == "ok"
                                      else self.sampler.status)
                 if self.sampler.status == "ok" and self.sampler.late_ticks:
-                    incomplete.append({
-                        "what": "NVML sampling",
-                        "why": f"{self.sampler.late_ticks} of {self.sampler.ticks} samples "
-                               f"started more than {self.sampler.interval_s} s late"})
+                    incomplete.append(Incomplete(
+                        "NVML sampling", f"{self.sampler.late_ticks} of {self.sampler.ticks} "
+                        f"samples started more than {self.sampler.interval_s} s late"))
             for s in self.scrapers:
                 telemetry.update(s.telemetry())
                 incomplete += s.incomplete()
@@ -92,8 +104,7 @@ class CollectorHandle:
             if compact:
                 for table in ("gpu", "engine"):
                     store.compact(self.run_dir, table)
-            self._result = {"telemetry": telemetry, "incomplete": incomplete,
-                            "clock_offsets_ns": offsets}
+            self._result = Collected(telemetry, incomplete, offsets)
             return self._result
 
 

@@ -18,6 +18,7 @@ import gevent.lock
 from locust.runners import MasterRunner, WorkerRunner
 
 from kvbench.core import redact
+from kvbench.core.contract import Incomplete, StageEntry
 from kvbench.core.errors import UserError
 from kvbench.core.rows import START_COLUMNS, worker_name
 from kvbench.loadgen import live
@@ -69,14 +70,13 @@ class LoadContext:
         self.workload = workload if workload is not None else job.build_workload(self.tokenizer)
         self.workload_name = getattr(self.workload, "name", job.workload)
         # a capacity search's probes: Poisson arrivals, or closed-loop users (search.loop)
-        self.search_loop = (job.search or {}).get("loop", "open") if job.pacing == "search" \
-            else None
+        self.search_loop = (job.search.loop if job.search is not None else "open") \
+            if job.pacing == "search" else None
         self.pacing = {None: job.pacing, "open": "poisson"}.get(self.search_loop,
                                                                "search-closed")
         # what the stages say they were: a closed-loop probe is a closed-loop stage
         self.stage_pacing = "closed" if self.search_loop == "closed" else self.pacing
-        self.stages = [StagePlan(s.index, s.duration_s, s.rate_rps, s.users,
-                                 getattr(s, "requests", None)) for s in job.stages]
+        self.stages = list(job.stages)
         self.stage_index = job.stage_index
         self.cv = job.gamma_cv
         self.max_in_flight = job.max_in_flight
@@ -168,7 +168,7 @@ class LoadContext:
         """Closed loop: the most users a stage of this process runs (a closed-loop search:
         its ``max_users``, at most 64 sessions built ahead)."""
         if self.search_loop == "closed":
-            return min(64, int(self.job.search.get("max_users") or 64))
+            return min(64, int(self.job.search.max_users or 64))
         return max((s.users or 0) for s in self.stages) or getattr(
             getattr(self.environment, "parsed_options", None), "num_users", None) or 1
 
@@ -378,31 +378,26 @@ class LoadContext:
 
     def open_stage(self, st: StagePlan, t0_ns: int) -> None:
         """The stage running now, in the live sidecar (a killed run's partial stage)."""
-        self.sink.meta["open_stage"] = {
-            "endpoint": self.endpoint, "workload": self.workload_name,
-            "profile": self.job.profile, "index": st.index, "pacing": self.stage_pacing,
-            "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
-            "t_start_ns": t0_ns, "t_end_ns": None, **self._planned_count(st)}
+        self.sink.meta.open_stage = self._entry(st, t0_ns)
         self.looplag.reset()
 
-    def _planned_count(self, st: StagePlan) -> dict:
-        """The stage's request count as configured (all processes), when it has one."""
+    def _entry(self, st: StagePlan, t0_ns: int) -> StageEntry:
+        """The entry of a stage of this process's plan begun at ``t0_ns``: its request count
+        the one configured (all processes), not this process's share."""
         planned = next((s for s in self.job.stages if s.index == st.index), None)
-        n = getattr(planned, "requests", None)
-        return {"requests": n} if n is not None else {}
+        return StageEntry.of(st, endpoint=self.endpoint, workload=self.workload_name,
+                             profile=self.job.profile, pacing=self.stage_pacing,
+                             t_start_ns=t0_ns, requests=planned and planned.requests)
 
     def add_stage(self, st: StagePlan, t0_ns: int, t1_ns: int, cut: bool = False) -> None:
-        stage = {
-            "endpoint": self.endpoint, "workload": self.workload_name,
-            "profile": self.job.profile, "index": st.index, "pacing": self.stage_pacing,
-            "rate_rps": st.rate_rps, "users": st.users, "duration_s": st.duration_s,
-            "t_start_ns": t0_ns, "t_end_ns": t1_ns, **self._planned_count(st),
-            **self.looplag.take()}
-        if cut:
-            stage.update(planned_duration_s=st.duration_s, partial=True,
-                         duration_s=(t1_ns - t0_ns) / 1e9)
-        self.sink.meta["stages"].append(stage)
-        self.sink.meta["open_stage"] = None
+        self._end_stage(self._entry(st, t0_ns), t1_ns, cut)
+
+    def _end_stage(self, entry: StageEntry, t1_ns: int, cut: bool = False) -> None:
+        """The stage ended at ``t1_ns`` (``cut``: before its planned end), with the loop's
+        pauses in it."""
+        entry = entry.replace(t_end_ns=t1_ns, **self.looplag.take())
+        self.sink.meta.stages.append(entry.cut(t1_ns) if cut else entry)
+        self.sink.meta.open_stage = None
 
     def close(self, interrupted: str | None = None) -> None:
         """Stop what is still running (each request records itself: cancelled at the stop),
@@ -427,26 +422,24 @@ class LoadContext:
                 built_ahead.close()
         if runner is not None:
             runner.user_greenlets.join(timeout=5)
-        self.sink.meta["endpoint"] = self.job.endpoint.record().to_dict()
-        self.sink.meta["workload"] = self.workload_name
+        meta = self.sink.meta
+        meta.endpoint = self.job.endpoint.record()
+        meta.workload = self.workload_name
         if d is not None:
-            self.sink.meta["counts"]["dropped_at_cap"] = d.dropped_at_cap
+            meta.counts["dropped_at_cap"] = d.dropped_at_cap
             if d.dropped_at_cap:
-                self.sink.meta["incomplete"].append({
-                    "what": f"{d.dropped_at_cap} arrivals on {self.endpoint}/{self.workload_name}",
-                    "why": f"dropped at the cap of {self.max_in_flight} requests in flight"})
-        st = self.sink.meta.get("open_stage")
+                meta.incomplete.append(Incomplete(
+                    f"{d.dropped_at_cap} arrivals on {self.endpoint}/{self.workload_name}",
+                    f"dropped at the cap of {self.max_in_flight} requests in flight"))
+        st = meta.open_stage
         if st is not None:  # closed loop: its one stage; open loop: one a stop cut
             t_end = self.stopped_ns or t_stop
-            plan = StagePlan(st["index"], st["duration_s"], st["rate_rps"], st["users"])
-            if self.pacing == "closed" and not self.interrupted:
-                self.add_stage(plan, st["t_start_ns"], t_end)
-                last = self.sink.meta["stages"][-1]
-                last["duration_s"] = (last["t_end_ns"] - last["t_start_ns"]) / 1e9
+            if self.pacing == "closed" and not self.interrupted:  # it ran what it ran
+                self._end_stage(st.replace(duration_s=(t_end - st.t_start_ns) / 1e9), t_end)
             else:
-                self.add_stage(plan, st["t_start_ns"], t_end, cut=True)
+                self._end_stage(st, t_end, cut=True)
         if self.interrupted:
-            self.sink.meta["interrupted"] = self.interrupted
+            meta.interrupted = self.interrupted
         if self._warm_pool is not None:  # connections no user took
             self._warm_pool.close()
         self.sink.close()

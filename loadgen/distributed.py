@@ -33,6 +33,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from kvbench.core.rows import shard_stem, worker_name
 from kvbench.loadgen import sink as sink_module
+from kvbench.loadgen import options
 from kvbench.runs import transport as T
 
 log = logging.getLogger("kvbench.loadgen")
@@ -195,9 +196,8 @@ class Receiver:
 
     def _inbox(self) -> T.Inbox:
         if self.inbox is None:
-            from kvbench.loadgen.hooks import _run_dir
-
-            self.inbox = T.Inbox(_run_dir(self.environment, None), socket.gethostname())
+            self.inbox = T.Inbox(options.run_dir(self.environment.parsed_options),
+                                 socket.gethostname())
         return self.inbox
 
     def on_records(self, environment, msg, **kw) -> None:

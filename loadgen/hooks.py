@@ -17,7 +17,6 @@ import inspect
 import os
 import signal
 import time
-from pathlib import Path
 
 import gevent
 import gevent.event
@@ -26,10 +25,11 @@ from locust.runners import (STATE_CLEANUP, STATE_RUNNING, STATE_SPAWNING, Master
                             WorkerRunner)
 
 from kvbench.core import redact
+from kvbench.core.contract import Incomplete
 from kvbench.core.errors import UserError
 from kvbench.loadgen import distributed  # noqa: F401 - issue 15: records over Locust messages
 from kvbench.loadgen.context import LoadContext, fail, get_context
-from kvbench.loadgen.options import has_kvbench_options, job_from_options, run_id
+from kvbench.loadgen.options import has_kvbench_options, job_from_options, run_dir, run_id
 from kvbench.runs import lifeline
 
 # kvbench.runs.finalize (pyarrow, compaction) is imported where a run ends, never while a load
@@ -237,7 +237,7 @@ def _quit(environment) -> None:
         from kvbench.runs.finalize import wait_for_sidecars
 
         try:
-            wait_for_sidecars(_run_dir(environment, ctx), expected,
+            wait_for_sidecars(ctx.run_dir if ctx is not None else run_dir(o), expected,
                               MASTER_WAIT_S + (environment.stop_timeout or 0))
         except UserError:
             pass  # no job file to name the run: nothing was recorded
@@ -279,17 +279,6 @@ def _pyarrow_without_pandas() -> None:
         sys.meta_path.remove(hide)
 
 
-def _run_dir(environment, ctx: LoadContext | None):
-    if ctx is not None:
-        return ctx.run_dir
-    o = environment.parsed_options
-    if o.kvbench_job:
-        from kvbench.runs.job import Job
-
-        return Job.load(o.kvbench_job).run_dir
-    return Path(o.kvbench_results) / o.kvbench_run_id
-
-
 def finalize_environment(environment, ctx: LoadContext | None, expected_procs: int = 1,
                          wait_s: float = 0.0, interrupted: str | None = None):
     """run.json of this environment's run: the context's job and workload, or (the master,
@@ -310,8 +299,8 @@ def finalize_environment(environment, ctx: LoadContext | None, expected_procs: i
     try:
         workloads[job.workload] = workload if workload is not None else job.build_workload()
     except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
-        notes = [{"what": f"workload summary of {job.workload}",
-                  "why": f"describe failed: {exc}"[:200]}]
+        notes = [Incomplete(f"workload summary of {job.workload}",
+                            f"describe failed: {exc}"[:200])]
     else:
         notes = []
     started = getattr(environment, "kvbench_started_ns", None) or (

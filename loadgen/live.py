@@ -619,7 +619,8 @@ def attach(ctx) -> LiveStats:
                     0, ctx.sink.started - ctx.sink.written - len(ctx.sink))
                 stats.state = {"in_flight": in_flight, "started": ctx.sink.started,
                                "dropped_at_cap": d.dropped_at_cap if d is not None else 0,
-                               "open_stage": ctx.sink.meta.get("open_stage"),
+                               "open_stage": st.to_dict() if (st := ctx.sink.meta.open_stage)
+                               else None,
                                "pacing": ctx.pacing}
                 if send:
                     for data in stats.outbox:

@@ -5,13 +5,15 @@ else ``kvbench.runs.job.resolve`` over ``--kvbench-config`` and the other option
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from locust import events
 
 from kvbench.core.errors import UserError
 from kvbench.core.rows import new_run_id
 from kvbench.loadgen.pacing import PACINGS
-from kvbench.runs.job import FOREVER_S, Job, JobStage, resolve
+from kvbench.core.contract import StagePlan
+from kvbench.runs.job import FOREVER_S, Job, resolve
 
 
 @events.init_command_line_parser.add_listener
@@ -81,7 +83,7 @@ def _floats(text: str, what: str) -> list[float]:
                         "e.g. 2,6,10") from None
 
 
-def _stages(o) -> list[JobStage] | None:
+def _stages(o) -> list[StagePlan] | None:
     """The stage plan the options give (None: the profile's)."""
     rates = _floats(o.kvbench_rates, "rates")
     durs = _floats(o.kvbench_stage_duration, "stage-duration")
@@ -90,7 +92,7 @@ def _stages(o) -> list[JobStage] | None:
     n = max(len(rates), len(durs), 1)
     rates = rates or [None] * n
     durs = durs or [FOREVER_S]
-    return [JobStage(i, durs[min(i, len(durs) - 1)], rates[min(i, len(rates) - 1)])
+    return [StagePlan(i, durs[min(i, len(durs) - 1)], rates[min(i, len(rates) - 1)])
             for i in range(n)]
 
 
@@ -117,6 +119,14 @@ def run_id(o) -> str:
         return Job.load(o.kvbench_job).run_id
     cfg = _config(o)
     return new_run_id(cfg.suite.name if cfg is not None else "locust")
+
+
+def run_dir(o) -> Path:
+    """The run directory the options name: the job file's, else ``--kvbench-results`` /
+    ``--kvbench-run-id`` (the master, which builds no load context, and its workers alike)."""
+    if o.kvbench_job:
+        return Job.load(o.kvbench_job).run_dir
+    return Path(o.kvbench_results) / o.kvbench_run_id
 
 
 def job_from_options(o, host: str | None, default_workload: str, *,

@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from kvbench.core.contract import StagePlan  # the plan of one stage, as the job holds it
+
 PACINGS = ("closed", "poisson", "gamma", "constant", "trace")
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    index: int
-    duration_s: float
-    rate_rps: float | None = None  # open loop, for the whole run (all processes)
-    users: int | None = None  # closed loop
-    requests: int | None = None  # ends after this many sent (this process's share)
-    # open loop: exactly rate x duration arrivals, at sorted uniform times (a Poisson process
-    # conditioned on its count: its gaps stay random, the count does not wander +-10% over a
-    # short stage, as a capacity search's probe needs)
-    exact_count: bool = False
 
 
 def share_of(n: int | None, index: int, count: int) -> int | None:

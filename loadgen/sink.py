@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvbench.core.contract import ProcMeta
 from kvbench.core.rows import (REQUEST_COLUMNS, START_COLUMNS, RowShardWriter, worker_name,
                                write_proc_meta)
 
@@ -35,9 +36,9 @@ FORWARD = None
 
 
 class RecordSink:
-    """One per load process. ``meta`` (counts, stages) goes to ``proc-<host>-<pid>.json``
-    beside the shard, for whoever writes run.json: refreshed with each flush, final
-    (``closed: true``) when the sink closes."""
+    """One per load process. ``meta`` (the sidecar: counts, stages) goes to
+    ``proc-<host>-<pid>.json`` beside the shard, for whoever writes run.json: refreshed with
+    each flush, final (``closed: true``) when the sink closes."""
 
     def __init__(self, run_dir: Path | str, *, flush_interval_s: float = FLUSH_INTERVAL_S,
                  use_threadpool: bool = True) -> None:
@@ -61,8 +62,7 @@ class RecordSink:
         self.closed = False
         self.started = 0  # requests started: the caller counts them with ``begin``
         self.written = 0
-        self.meta: dict = {"counts": {"dropped_at_cap": 0}, "stages": [], "incomplete": [],
-                           "opened_ns": time.time_ns()}
+        self.meta = ProcMeta(counts={"dropped_at_cap": 0}, opened_ns=time.time_ns())
         self._write_meta(self._snapshot(closed=False))
         atexit.register(self.close)
 
@@ -89,25 +89,25 @@ class RecordSink:
             starts, self._starts = self._starts, [[] for _ in START_COLUMNS]
         return cols, starts
 
-    def _snapshot(self, closed: bool, started: int | None = None) -> dict:
+    def _snapshot(self, closed: bool, started: int | None = None) -> ProcMeta:
         """The sidecar as of now (copied: the thread pool writes it while the loop goes on);
         ``started``: the count as of the swap whose rows this sidecar goes with."""
         meta = copy.deepcopy(self.meta)
-        meta["counts"]["requests_started"] = self.started if started is None else started
-        meta.update(worker=worker_name(), host=socket.gethostname(), closed=closed,
-                    updated_ns=time.time_ns())
+        meta.counts["requests_started"] = self.started if started is None else started
+        meta.worker, meta.host = worker_name(), socket.gethostname()
+        meta.closed, meta.updated_ns = closed, time.time_ns()
         return meta
 
-    def _write_meta(self, meta: dict) -> None:
-        meta["counts"]["records_written"] = self.written
-        if meta["closed"]:
-            meta["closed_ns"] = meta["updated_ns"]
+    def _write_meta(self, meta: ProcMeta) -> None:
+        meta.counts["records_written"] = self.written
+        if meta.closed:
+            meta.closed_ns = meta.updated_ns
         self.meta_path = write_proc_meta(self.run_dir, meta)
         if self.forward is not None:
-            self.forward.put("meta", meta)
+            self.forward.put("meta", meta.to_dict())
 
     def _write(self, cols: list[list] | None, starts: list[list] | None = None,
-               meta: dict | None = None) -> int:
+               meta: ProcMeta | None = None) -> int:
         n = 0
         with self._lock:
             if starts is not None:

@@ -124,11 +124,11 @@ def test_no_reset_call_falls_back_to_fresh_prefixes():
     assert job.cache == "reset"
     wl = job.build_workload()
     out, entry = cache.prepare(job, engines.get("dynamo"), {}, wl)
-    assert entry["started_from"].startswith("fresh prefixes: not reset (NVIDIA Dynamo")
-    assert out.seed == cache.fresh_seed(job) != job.seed and entry["fresh_seed"]
+    assert entry.started_from.startswith("fresh prefixes: not reset (NVIDIA Dynamo")
+    assert out.seed == cache.fresh_seed(job) != job.seed and entry.fresh_seed
     first = lambda w: next(iter(w.requests())).messages  # noqa: E731
     assert first(out.build_workload()) != first(wl)
-    assert entry["counters_before"] is None  # nothing listens there: no counters, no failure
+    assert entry.counters_before is None  # nothing listens there: no counters, no failure
 
 
 def test_cache_mode_is_validated():

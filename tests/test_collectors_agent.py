@@ -94,7 +94,7 @@ def test_agent_without_nvml_is_reachable_and_says_why():
 def test_unreachable_agent_is_recorded_not_raised():
     p = AgentPuller("http://127.0.0.1:9", emit=lambda b: None, log=lambda m: None)
     assert p.pull_once() is False and p.failures == 1
-    assert p.incomplete()[0]["what"] == "pulls from collector agent http://127.0.0.1:9"
+    assert p.incomplete()[0].what == "pulls from collector agent http://127.0.0.1:9"
 
 
 def test_non_loopback_without_token_is_refused():

@@ -46,16 +46,17 @@ def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
     finally:
         agent.stop()
     assert handle.stop() is out  # idempotent
-    tel = out["telemetry"]
+    tel = out.telemetry
     assert tel["nvml"] == "ok" and tel["engine:emu"] == "ok" and tel["dcgm:emu"] == "ok"
     assert tel[f"agent:{agent.url}"] == "ok"
     assert tel["engine:dead"].startswith("no successful scrape of http://127.0.0.1:9/metrics")
     assert tel["engine_family:emu"] == "vllm" and "engine_family:dead" not in tel
-    assert [i["what"] for i in out["incomplete"]] == ["scrape of http://127.0.0.1:9/metrics (dead)"]
-    (host, off), = out["clock_offsets_ns"].items()
+    assert [i.what for i in out.incomplete] == ["scrape of http://127.0.0.1:9/metrics (dead)"]
+    (host, off), = out.clock_offsets_ns.items()
     assert abs(off - 3_000_000_000) < 50_000_000
     assert not store.shard_files(tmp_path)  # compacted
-    finalize(tmp_path, meta={"run_id": "t", **out})  # the one run.json writer
+    finalize(tmp_path, telemetry=out.telemetry, incomplete=out.incomplete,  # run.json's writer
+             clock_offsets_ns=out.clock_offsets_ns, meta={"run_id": "t"})
     res = store.load_results(tmp_path)
     gpu = res.tables["gpu"].to_pandas()
     eng = res.tables["engine"].to_pandas()
@@ -80,11 +81,11 @@ def test_no_gpu_no_endpoints_run_goes_on(tmp_path):
                          nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
                          log=logs.append)
     out = h.stop()
-    assert out["telemetry"]["nvml"].startswith("no NVML library")
-    assert out["incomplete"] == [] and out["clock_offsets_ns"] == {}
+    assert out.telemetry["nvml"].startswith("no NVML library")
+    assert out.incomplete == [] and out.clock_offsets_ns == {}
     assert len(logs) == 1 and not list(tmp_path.glob("*.parquet"))
     h2 = start_collectors(tmp_path, CollectConfig(nvml=False), [])
-    assert h2.stop()["telemetry"] == {"nvml": "off in bench.toml ([collect] nvml = false)"}
+    assert h2.stop().telemetry == {"nvml": "off in bench.toml ([collect] nvml = false)"}
 
 
 def test_metrics_url_defaults():

@@ -68,7 +68,7 @@ def test_batches_cross_once_each_and_a_silent_worker_is_named(tmp_path):
     meta = finalize.finalize(tmp_path, meta={"run_id": "r"})
     acct = meta.workers["h1:10"]
     assert acct["lost"] and acct["missing"] == 1 and acct["records"] == 2
-    assert any("h1:10" in n["what"] and "1 of its requests missing" in n["why"]
+    assert any("h1:10" in n.what and "1 of its requests missing" in n.why
                for n in meta.incomplete)
     assert not meta.interrupted  # the run itself completed
 
@@ -304,7 +304,7 @@ def test_a_worker_lost_before_its_first_sidecar_is_named(tmp_path):
     assert other.closed
     inbox.close(now=10.0)
     metas = store.read_proc_meta(tmp_path)
-    assert len(metas) == 2 and all(m["closed"] for m in metas)
+    assert len(metas) == 2 and all(m.closed for m in metas)
     meta = finalize.finalize(tmp_path, meta={"run_id": "r"}, expected_procs=2)
     assert meta.workers["host_abc"]["lost"] and meta.workers["host_abc"]["missing"] == 0
     assert not meta.workers["h2:7"]["lost"]

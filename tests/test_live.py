@@ -16,7 +16,8 @@ from kvbench.core.store import ShardWriter
 from kvbench.loadgen import live
 from kvbench.reports import metrics as M
 from kvbench.runs import progress
-from kvbench.runs.job import Job, JobEndpoint, JobStage
+from kvbench.core.contract import StagePlan as JobStage
+from kvbench.runs.job import Job, JobEndpoint
 import synthetic
 
 finite = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)

@@ -26,7 +26,8 @@ from kvbench.loadgen.context import LoadContext
 from kvbench.loadgen.job import JobUser
 from kvbench.loadgen.options import job_from_options
 from kvbench.runs import finalize as finalize_module
-from kvbench.runs.job import Job, JobStage, resolve
+from kvbench.core.contract import StagePlan as JobStage
+from kvbench.runs.job import Job, resolve
 
 CONFIG = {
     "suite": {"name": "inproc", "seed": 3},

@@ -103,7 +103,7 @@ def test_sink_roundtrip_and_sidecar(tmp_path):
     t = store.read_shards(tmp_path, "requests")
     assert t.num_rows == 8 and t.column("chunk_offsets_ns")[0].as_py() == [1, 2]
     meta = merge_proc_meta(read_proc_meta(tmp_path))
-    assert meta["counts"]["requests_started"] == meta["counts"]["records_written"] == 8
+    assert meta.count("requests_started") == meta.count("records_written") == 8
 
 
 KILL = textwrap.dedent("""
@@ -130,18 +130,18 @@ def test_killed_writer_loses_at_most_the_last_flush_interval(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", KILL, str(tmp_path)], cwd=ROOT)
     try:
         end = time.monotonic() + 120
-        while sum(m["counts"]["records_written"] for m in read_proc_meta(tmp_path)) < 300:
+        while sum(m.count("records_written") for m in read_proc_meta(tmp_path)) < 300:
             assert time.monotonic() < end and p.poll() is None
             time.sleep(0.05)
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
     (meta,) = read_proc_meta(tmp_path)
-    assert meta["closed"] is False  # the kill left the live sidecar of the last flush
+    assert meta.closed is False  # the kill left the live sidecar of the last flush
     t = store.read_shards(tmp_path, "requests")
     kept = t.num_rows
     # all appended by the last flush's swap (its started count) survived, in order
-    assert kept >= meta["counts"]["requests_started"] >= 300
+    assert kept >= meta.count("requests_started") >= 300
     assert t.column("request_id").to_pylist() == [str(i) for i in range(kept)]
-    assert store.read_starts(tmp_path).num_rows >= meta["counts"]["requests_started"]
+    assert store.read_starts(tmp_path).num_rows >= meta.count("requests_started")
     assert isinstance(t, pa.Table)

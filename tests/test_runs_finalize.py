@@ -7,6 +7,7 @@ import pyarrow as pa
 
 from kvbench.config import parse_config
 from kvbench.core import store
+from kvbench.core.contract import Incomplete, ProcMeta, StageEntry
 from kvbench.core.errors import DataError
 from kvbench.core.schema import ENGINE, REQUESTS
 from kvbench.runs import finalize as F
@@ -40,10 +41,10 @@ def write_shards(run_dir, n=4, labels=(("block_size", "16"), ("num_gpu_blocks", 
         "metric": ["vllm:cache_config_info", "vllm:num_requests_running"],
         "labels": [list(labels), []], "value": [1.0, 0.0]}, schema=ENGINE))
     e.close()
-    store.write_proc_meta(run_dir, {
+    store.write_proc_meta(run_dir, ProcMeta.from_dict({
         "counts": {"requests_started": n, "records_written": n, "dropped_at_cap": 0},
         "stages": [{"endpoint": "e1", "workload": "chat", "index": 0, "t_start_ns": 1,
-                    "t_end_ns": 9}], "incomplete": [], "host": "h1"})
+                    "t_end_ns": 9}], "incomplete": [], "host": "h1"}))
 
 
 def test_finalize_a_job_from_written_shards(tmp_path):
@@ -78,9 +79,9 @@ def test_given_metadata_wins_and_missing_sidecars_are_noted(tmp_path):
                "t_end_ns": 6}]
     meta = F.finalize(tmp_path, meta={"run_id": "syn", "suite": "synthetic", "stages": stages},
                       expected_procs=2)
-    assert meta.run_id == "syn" and meta.stages == stages
+    assert meta.run_id == "syn" and meta.stages == [StageEntry.from_dict(s) for s in stages]
     assert meta.endpoints == []  # the sidecar recorded no endpoint
-    assert any("1 load process" in i["what"] for i in meta.incomplete)
+    assert any("1 load process" in i.what for i in meta.incomplete)
     assert json.loads((tmp_path / "run.json").read_text())["suite"] == "synthetic"
 
 
@@ -91,10 +92,10 @@ def test_merge_proc_meta_sums_counts_and_spans_stages():
     b = {"counts": {"requests_started": 3, "records_written": 1, "dropped_at_cap": 4},
          "stages": [{"endpoint": "e", "workload": "w", "index": 0, "t_start_ns": 3,
                      "t_end_ns": 7}], "incomplete": [{"what": "x", "why": "y"}]}
-    m = F.merge_proc_meta([a, b])
-    assert m["counts"] == {"requests_started": 5, "records_written": 3, "dropped_at_cap": 4}
-    assert [(s["t_start_ns"], s["t_end_ns"]) for s in m["stages"]] == [(3, 9)]
-    assert m["incomplete"] == [{"what": "x", "why": "y"}]
+    m = F.merge_proc_meta([ProcMeta.from_dict(a), ProcMeta.from_dict(b)])
+    assert m.counts == {"requests_started": 5, "records_written": 3, "dropped_at_cap": 4}
+    assert [(s.t_start_ns, s.t_end_ns) for s in m.stages] == [(3, 9)]
+    assert m.incomplete == [Incomplete("x", "y")]
 
 
 def starts_batch(ids, worker="h:1") -> pa.RecordBatch:
@@ -139,19 +140,19 @@ def test_recover_a_killed_run_from_its_job_file_and_live_sidecar(tmp_path):
     s.write(starts_batch(["chat-0", "chat-1", "chat-2"], worker=None))
     stage = {"endpoint": "e1", "workload": "chat", "index": 0, "pacing": "closed",
              "duration_s": 1.0, "t_start_ns": 10 ** 9, "t_end_ns": None}
-    store.write_proc_meta(run_dir, {  # a process SIGKILLed: its sidecar was never closed
+    store.write_proc_meta(run_dir, ProcMeta.from_dict({  # SIGKILLed: its sidecar never closed
         "counts": {"requests_started": 3, "records_written": 2, "dropped_at_cap": 0},
         "stages": [], "open_stage": stage, "incomplete": [], "closed": False,
         "worker": "elsewhere:1", "host": "elsewhere", "opened_ns": 10 ** 9,
-        "updated_ns": 10 ** 9 + 4 * 10 ** 8})
+        "updated_ns": 10 ** 9 + 4 * 10 ** 8}))
     assert F.recover(run_dir).interrupted
     assert F.recover(run_dir) is None  # run.json there now: nothing more to do
     meta = store.read_meta(run_dir)
     assert meta.run_id == "k1" and meta.suite == "fin" and meta.interrupted
-    assert "killed" in meta.interruption and meta.incomplete[0]["what"] == "the run"
+    assert "killed" in meta.interruption and meta.incomplete[0].what == "the run"
     assert meta.counts["in_flight_at_kill"] == 1 and meta.workloads["chat"]["requests"] == 6
     (st,) = meta.stages
-    assert st["partial"] and st["duration_s"] == 0.4 and st["planned_duration_s"] == 1.0
+    assert st.partial and st.duration_s == 0.4 and st.planned_duration_s == 1.0
     t = store.read_table(run_dir, "requests")
     assert t.num_rows == 3 and t.column("status").to_pylist().count("cancelled") == 1
 
@@ -162,8 +163,8 @@ def test_recover_refuses_a_run_still_going(tmp_path):
 
     live = tmp_path / "load"
     live.mkdir()
-    store.write_proc_meta(live, {"closed": False, "counts": {},
-                                 "worker": f"{socket.gethostname()}:{os.getpid()}"})
+    store.write_proc_meta(live, ProcMeta(closed=False,
+                                         worker=f"{socket.gethostname()}:{os.getpid()}"))
     driven = tmp_path / "driven"  # between two Locust runs of kvbench run: no load process
     write_shards(driven)
     F.mark_running(driven)
@@ -186,12 +187,12 @@ def test_merged_stage_keeps_the_largest_pause_with_its_own_off_cpu_part():
               "t_end_ns": 2, "loop_pause_max_ms": pause, "loop_pauses_over_5ms": over}
         if off is not None:
             st["loop_pause_max_offcpu_ms"] = off
-        return {"counts": {}, "stages": [st]}
+        return ProcMeta.from_dict({"counts": {}, "stages": [st]})
 
-    (st,) = F.merge_proc_meta([meta(12.0, 1.0), meta(30.0, 25.0, 2)])["stages"]
-    assert (st["loop_pause_max_ms"], st["loop_pause_max_offcpu_ms"]) == (30.0, 25.0)
-    assert st["loop_pauses_over_5ms"] == 3
-    (st,) = F.merge_proc_meta([meta(30.0, 25.0), meta(12.0, 1.0)])["stages"]
-    assert (st["loop_pause_max_ms"], st["loop_pause_max_offcpu_ms"]) == (30.0, 25.0)
-    (st,) = F.merge_proc_meta([meta(12.0, 1.0), meta(30.0)])["stages"]
-    assert st["loop_pause_max_ms"] == 30.0 and "loop_pause_max_offcpu_ms" not in st
+    (st,) = F.merge_proc_meta([meta(12.0, 1.0), meta(30.0, 25.0, 2)]).stages
+    assert (st.loop_pause_max_ms, st.loop_pause_max_offcpu_ms) == (30.0, 25.0)
+    assert st.loop_pauses_over_5ms == 3
+    (st,) = F.merge_proc_meta([meta(30.0, 25.0), meta(12.0, 1.0)]).stages
+    assert (st.loop_pause_max_ms, st.loop_pause_max_offcpu_ms) == (30.0, 25.0)
+    (st,) = F.merge_proc_meta([meta(12.0, 1.0), meta(30.0)]).stages
+    assert st.loop_pause_max_ms == 30.0 and st.loop_pause_max_offcpu_ms is None

@@ -5,8 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvbench.core.contract import StagePlan
 from kvbench.runs import locust
-from kvbench.runs.job import Job, JobEndpoint, JobStage
+from kvbench.runs.job import Job, JobEndpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,12 +33,12 @@ def test_kvbench_locustfile_prints_the_path_or_names_the_choices():
 
 def test_locust_command_follows_the_job(tmp_path):
     job = Job(endpoint=JobEndpoint(name="e", url="http://h:1"), workload="chat",
-              pacing="closed", stages=[JobStage(0, 2.5, None, 3), JobStage(1, 9, None, 7)],
+              pacing="closed", stages=[StagePlan(0, 2.5, None, 3), StagePlan(1, 9, None, 7)],
               stage_index=1, run_id="r")
     cmd, limit = locust.command(job, tmp_path / "j.json", processes=2)
     assert cmd[cmd.index("-u") + 1] == "7" and cmd[cmd.index("-t") + 1] == "9s"
     assert "--kvbench-job" in cmd and cmd[cmd.index("--processes") + 1] == "2"
     open_job = Job(endpoint=job.endpoint, workload="chat", pacing="poisson",
-                   stages=[JobStage(0, 2, 5.0), JobStage(1, 3, 9.0)], timeout_s=10, run_id="r")
+                   stages=[StagePlan(0, 2, 5.0), StagePlan(1, 3, 9.0)], timeout_s=10, run_id="r")
     cmd, limit = locust.command(open_job, tmp_path / "j.json", processes=1)
     assert cmd[cmd.index("-t") + 1] == "15s" and limit == 15 + locust.GRACE_S

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from kvbench.core.contract import StagePlan
 from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, Strict
 
 # The prefix-cache state a run starts from (``runs.cache``): "reset" empties the engine's cache
@@ -23,6 +24,11 @@ class Stage(Strict):
     # the stage ends once this many requests were sent (all processes together), or at
     # duration_s, whichever comes first: a run of exactly N requests is reproducible
     requests: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
+
+    def plan(self, index: int, duration_scale: float = 1.0) -> StagePlan:
+        """This stage as the job plans it: ``index`` in its profile, the duration scaled."""
+        return StagePlan(index, self.duration_s * duration_scale, self.rate_rps, self.users,
+                         self.requests)
 
 
 class SearchSpec(Strict):

@@ -192,6 +192,29 @@ class SearchSpec(Entry):
 
 
 @dataclass
+class StagePlan(Entry):
+    """One load stage as planned: open loop at ``rate_rps`` (all processes together) or closed
+    loop of ``users``, for ``duration_s`` (already scaled), ended early after ``requests`` sent
+    when given. The job carries these, the job file holds them serialised, the pacing runs
+    them (a process's own plan carries its share of ``requests``); ``StageEntry.of`` makes
+    what ran of one, copying every field the two share by name (so a planned field run.json
+    shows is added here and to ``StageEntry``, nowhere else)."""
+
+    index: Count = 0
+    duration_s: Num = 0.0
+    rate_rps: Num | None = None
+    users: Count | None = None
+    requests: Count | None = None
+    # open loop: exactly rate x duration arrivals, at sorted uniform times (a Poisson process
+    # conditioned on its count: its gaps stay random, the count does not wander +-10% over a
+    # short stage, as a capacity search's probe needs)
+    exact_count: bool = False
+    extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    _not_null: ClassVar = ("index", "duration_s")
+
+
+@dataclass
 class StageEntry(Entry):
     """One load stage as it ran: open loop at ``rate_rps``, or closed loop of ``users``."""
 
@@ -219,6 +242,15 @@ class StageEntry(Entry):
 
     _nested: ClassVar = {"search": ("one", SearchNote)}
     _not_null: ClassVar = ("index",)
+
+    @classmethod
+    def of(cls, plan: StagePlan, **ran) -> "StageEntry":
+        """The entry of a stage run from ``plan``; ``ran``: what the plan does not say (the
+        endpoint, workload, pacing, times, loop pauses), and any of its fields to set apart
+        (a process's plan holds its share of ``requests``, the entry the whole count)."""
+        names = {f.name for f in dc.fields(cls)} - {"extra"}
+        planned = {f.name: getattr(plan, f.name) for f in dc.fields(plan) if f.name in names}
+        return cls(**{**planned, **ran})
 
     @property
     def key(self) -> tuple:
@@ -292,6 +324,7 @@ class CacheState(Entry):
     primed_prefixes: Count = 0
     primed_tokens: Count = 0
     seed: int | None = None
+    fresh_seed: bool | None = None  # no reset: the job ran on a seed no earlier run used
     notes: list = field(default_factory=list)
     started_from: str | None = None
     counters_before: dict | None = None  # {hits, queries, prompt, ...}: the engine's own

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import msgpack
 
+from kvbench.core.contract import ProcMeta
+
 ROWS_VERSION = 1  # the header's "kvbench_rows"
 ROWS_SUFFIX = ".rows"
 
@@ -61,13 +63,13 @@ def shard_stem(host: str | None = None, pid: int | None = None) -> str:
     return f"{host}-{pid or os.getpid()}"
 
 
-def write_proc_meta(run_dir: Path | str, meta: dict, stem: str | None = None) -> Path:
+def write_proc_meta(run_dir: Path | str, meta: ProcMeta, stem: str | None = None) -> Path:
     """A load process's sidecar ``proc-<host>-<pid>.json`` (counts, stages, incomplete), read
     by whoever finalizes the run; ``stem``: another process's (a master writing the sidecar a
     worker sent it)."""
     path = Path(run_dir) / f"proc-{stem or shard_stem()}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, default=str))
+    tmp.write_text(json.dumps(meta.to_dict(), indent=1, default=str))
     os.replace(tmp, path)
     return path
 

@@ -13,6 +13,7 @@ from kvbench.core import contract
 from kvbench.core.contract import SCHEMA_VERSION, ProcMeta, RunMeta
 from kvbench.core.errors import DataError
 
+
 def git_commit(cwd: Path | None = None) -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
@@ -128,7 +129,7 @@ def check_run_json(data, source: Path | str = "run.json") -> None:
                         "a copy, or rerun the run") from None
 
 
-def read_proc_meta(run_dir: Path | str) -> list[dict]:
+def read_proc_meta(run_dir: Path | str) -> list[ProcMeta]:
     """The sidecars of every load process of a run. Each is written whole (temp file and
     rename), so one that is not a JSON object with counts, stages and incomplete of their
     types is damaged: a ``DataError`` naming it."""
@@ -146,7 +147,7 @@ def read_proc_meta(run_dir: Path | str) -> list[dict]:
         if problem:
             raise DataError(f"{p}: a load process's sidecar whose {problem}; remove it (its "
                             "process's counts are then unknown)")
-        out.append(data)
+        out.append(ProcMeta.from_dict(data))
     return out
 
 

@@ -10,7 +10,7 @@ earlier run sent), and its entry says so. Priming sends each distinct shared pre
 workload once (cut to its shared tokens, one output token, not recorded): what a warm cache
 holds when the measured requests begin.
 
-Each job's entry lands in run.json's ``cache_states``."""
+Each job's ``CacheState`` lands in run.json's ``cache_states``."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import hashlib
 import time
 import urllib.error
 import urllib.request
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from kvbench import engines
+from kvbench.core.contract import CacheState, CacheTheory
 from kvbench.runs.preflight import http_json
 
 RESET_TIMEOUT_S = 30.0
@@ -169,22 +170,34 @@ def fresh_seed(job) -> int:
     return int.from_bytes(digest, "big")
 
 
+@dataclass
+class JobCache(CacheState):
+    """A job's ``CacheState`` while it runs, holding the prompts priming sent (``finish``
+    simulates the cache from them); run.json does not get them."""
+
+    primed: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.pop("primed", None)
+        return out
+
+
 def prepare(job, adapter: engines.EngineAdapter, headers: dict, workload=None):
     """Put the endpoint's cache in ``job.cache``'s state before the job: (the job to run, its
     ``cache_states`` entry). ``workload``: the job's generator (for priming)."""
     ep = job.endpoint
     metrics_url = ep.metrics_url or ep.url + "/metrics"
-    entry = {"endpoint": ep.name, "workload": job.workload, "profile": job.profile,
-             "stage": job.stage_index if job.pacing == "closed" else None,
-             "mode": job.cache, "engine": adapter.name, "reset": None,
-             "primed_prefixes": 0, "primed_tokens": 0, "seed": job.seed, "notes": []}
+    entry = JobCache(endpoint=ep.name, workload=job.workload, profile=job.profile,
+                     stage=job.stage_index if job.pacing == "closed" else None,
+                     mode=job.cache, engine=adapter.name, seed=job.seed)
     if job.cache == "as-is":
-        entry["started_from"] = "as-is: not reset, whatever earlier traffic left cached"
+        entry.started_from = "as-is: not reset, whatever earlier traffic left cached"
     else:
         done, how = reset(ep.url, adapter, headers)
-        entry["reset"] = {"done": done, "how" if done else "why": how}
+        entry.reset = {"done": done, "how" if done else "why": how}
         if not done:
-            job, entry = _fresh(job, entry, how, workload)
+            job = _fresh(job, entry, how, workload)
             workload = None  # the fresh seed's prompts are primed, if any
         if job.cache == "warm":
             if workload is None:
@@ -194,23 +207,24 @@ def prepare(job, adapter: engines.EngineAdapter, headers: dict, workload=None):
             tok = getattr(workload, "tokenizer", None) or get_tokenizer(job.tokenizer)
             prefixes = shared_prefixes(workload, tok)
             sent, tokens, failed = prime(ep.url, ep.model, prefixes, headers)
-            entry["_primed"] = prefixes[:sent]
-            entry["primed_prefixes"], entry["primed_tokens"] = sent, tokens
+            entry.primed = prefixes[:sent]
+            entry.primed_prefixes, entry.primed_tokens = sent, tokens
             if failed:
-                entry["notes"].append(failed)
+                entry.notes.append(failed)
             state = "empty" if done else "fresh prefixes"
-            entry["started_from"] = (f"warm: {state}, then {sent} shared prefix"
-                                     f"{'es' * (sent != 1)} ({tokens:,} tokens) sent once")
+            entry.started_from = (f"warm: {state}, then {sent} shared prefix"
+                                  f"{'es' * (sent != 1)} ({tokens:,} tokens) sent once")
         elif done:
-            entry["started_from"] = f"empty: reset by {how}"
-    entry["counters_before"] = read_counters(metrics_url, adapter, headers)
-    entry["t_start_ns"] = time.time_ns()
+            entry.started_from = f"empty: reset by {how}"
+    entry.counters_before = read_counters(metrics_url, adapter, headers)
+    entry.t_start_ns = time.time_ns()
     return job, entry
 
 
-def _fresh(job, entry: dict, why: str, workload):
+def _fresh(job, entry: CacheState, why: str, workload):
     """No reset: the same workload on a seed no earlier run used, when that changes its
-    prompts (a table with its own ``seed`` keeps it: then the run starts as-is)."""
+    prompts (a table with its own ``seed`` keeps it: then the run starts as-is). Returns the
+    job to run; ``entry`` says which."""
     seed = fresh_seed(job)
     salted = replace(job, seed=seed)
     try:
@@ -221,43 +235,43 @@ def _fresh(job, entry: dict, why: str, workload):
     except Exception as exc:  # noqa: BLE001 - a job we cannot rebuild runs as configured
         fresh, after = False, exc
     if fresh:
-        entry["seed"], entry["fresh_seed"] = seed, True
-        entry["started_from"] = (f"fresh prefixes: not reset ({why}); the workload ran on "
-                                 f"seed {seed} instead of {job.seed}, so no earlier run sent "
-                                 "its prompts")
-        entry["notes"].append("a fresh seed changes the request schedule too: a gate pairs "
-                              "it with a baseline only when both used the same seed")
-        return salted, entry
-    entry["started_from"] = (f"as-is: not reset ({why}), and the workload pins its own seed, "
-                             "so its prompts may already be cached")
-    return job, entry
+        entry.seed, entry.fresh_seed = seed, True
+        entry.started_from = (f"fresh prefixes: not reset ({why}); the workload ran on "
+                              f"seed {seed} instead of {job.seed}, so no earlier run sent "
+                              "its prompts")
+        entry.notes.append("a fresh seed changes the request schedule too: a gate pairs "
+                           "it with a baseline only when both used the same seed")
+        return salted
+    entry.started_from = (f"as-is: not reset ({why}), and the workload pins its own seed, "
+                          "so its prompts may already be cached")
+    return job
 
 
-def finish(entry: dict, job, adapter: engines.EngineAdapter, headers: dict,
-           workload=None) -> dict:
+def finish(entry: JobCache, job, adapter: engines.EngineAdapter, headers: dict,
+           workload=None) -> JobCache:
     """The entry completed after the job: the engine's counters read now and the theoretical
     hit ratio of exactly the requests the job sent (after what priming sent), at the engine's
     block size where it publishes one (its family's default otherwise). ``workload``: the
     configured generator (rebuilt here when the job ran on a fresh seed)."""
     ep = job.endpoint
-    primed = entry.pop("_primed", [])
-    entry["counters_after"] = after = read_counters(ep.metrics_url or ep.url + "/metrics",
-                                                    adapter, headers)
-    entry["t_end_ns"] = time.time_ns()
-    geom = after or entry.get("counters_before") or {}
+    primed, entry.primed = entry.primed, []
+    entry.counters_after = after = read_counters(ep.metrics_url or ep.url + "/metrics",
+                                                 adapter, headers)
+    entry.t_end_ns = time.time_ns()
+    geom = after or entry.counters_before or {}
     block = int(geom.get("block_tokens") or adapter.default_block_tokens)
     capacity = geom.get("capacity_tokens") or (ep.options or {}).get("kv_capacity_tokens")
     try:
-        if workload is None or entry.get("fresh_seed"):
+        if workload is None or entry.fresh_seed:
             workload = job.build_workload()
         ids = sent_ids(job, entry)
-        entry["theoretical"] = theoretical(workload, ids, primed, block, capacity)
+        entry.theoretical = theoretical(workload, ids, primed, block, capacity)
     except Exception as exc:  # noqa: BLE001 - the run's records matter more
-        entry["notes"].append(f"theoretical hit ratio not computed ({exc})"[:200])
+        entry.notes.append(f"theoretical hit ratio not computed ({exc})"[:200])
     return entry
 
 
-def sent_ids(job, entry: dict) -> list[str]:
+def sent_ids(job, entry: CacheState) -> list[str]:
     """The request ids the job sent, in send order (its records within its time window)."""
     import pyarrow.compute as pc
 
@@ -269,8 +283,8 @@ def sent_ids(job, entry: dict) -> list[str]:
         return []
     mask = pc.and_(pc.and_(pc.equal(t["endpoint"], job.endpoint.name),
                            pc.equal(t["workload"], job.workload)),
-                   pc.and_(pc.greater_equal(t["t_sent"], entry["t_start_ns"]),
-                           pc.less_equal(t["t_sent"], entry["t_end_ns"])))
+                   pc.and_(pc.greater_equal(t["t_sent"], entry.t_start_ns),
+                           pc.less_equal(t["t_sent"], entry.t_end_ns)))
     # only what the server prefilled: finished, or a first token seen
     mask = pc.and_(mask, pc.or_(pc.equal(t["status"], "ok"), pc.is_valid(t["ttft_ns"])))
     rows = t.filter(mask).sort_by("t_sent")
@@ -278,7 +292,7 @@ def sent_ids(job, entry: dict) -> list[str]:
 
 
 def theoretical(workload, ids: list[str], primed: list[str], block_tokens: int,
-                capacity_tokens: int | None) -> dict:
+                capacity_tokens: int | None) -> CacheTheory:
     """Hit ratio an ideal prefix cache reaches on ``ids`` (request ids, ``#pass`` suffixes
     allowed) in order, after ``primed`` completion prompts: unbounded, and LRU over
     ``capacity_tokens`` where known."""
@@ -308,8 +322,8 @@ def theoretical(workload, ids: list[str], primed: list[str], block_tokens: int,
         total += got[0]
         hits += h * block_tokens
         hits_lru += (hl or 0) * block_tokens
-    return {"requests": len(ids) - missing, "unmatched": missing, "prompt_tokens": total,
-            "hit_ratio_unbounded": hits / total if total else None,
-            "hit_ratio_lru": hits_lru / total if total and capacity_tokens else None,
-            "block_tokens": block_tokens, "capacity_tokens": capacity_tokens,
-            "after_priming": len(primed)}
+    return CacheTheory(requests=len(ids) - missing, unmatched=missing, prompt_tokens=total,
+                       hit_ratio_unbounded=hits / total if total else None,
+                       hit_ratio_lru=hits_lru / total if total and capacity_tokens else None,
+                       block_tokens=block_tokens, capacity_tokens=capacity_tokens,
+                       after_priming=len(primed))

@@ -5,6 +5,7 @@ that wrote shards itself, and by ``recover`` for a run whose finalizer was kille
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from kvbench.core import redact, store
-from kvbench.core.contract import StageEntry
+from kvbench.core.contract import EndpointEntry, Incomplete, ProcMeta, RunMeta, StageEntry
 from kvbench.core.errors import DataError, UserError
 from kvbench.runs import search
 
@@ -29,26 +30,27 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
              started_ns: int | None = None, telemetry: dict | None = None,
              clock_offsets_ns: dict | None = None, incomplete=(),
              expected_procs: int | None = None, wait_s: float = 0.0,
-             meta: dict | None = None, interrupted: str | None = None) -> store.RunMeta:
+             meta: dict | None = None, interrupted: str | None = None) -> RunMeta:
     """Write run.json of ``run_dir`` and return it.
 
     ``jobs``: the ``runs.job.Job``s run (run id, suite, config, endpoints); ``workloads``:
-    their generators by name (described, and compared with what was sent); ``expected_procs``:
-    the load processes whose sidecars to wait up to ``wait_s`` for (None: no check); ``meta``:
-    run.json fields that win over the derived ones (a run written without Locust);
-    ``interrupted``: how a signal cut the run (a load process's own sidecar may say so too)."""
+    their generators by name (described, and compared with what was sent); ``incomplete``:
+    ``Incomplete`` notes (or their JSON objects); ``expected_procs``: the load processes whose
+    sidecars to wait up to ``wait_s`` for (None: no check); ``meta``: run.json fields that win
+    over the derived ones (a run written without Locust); ``interrupted``: how a signal cut
+    the run (a load process's own sidecar may say so too)."""
     run_dir = Path(run_dir)
     jobs = list(jobs)
     metas = wait_for_sidecars(run_dir, expected_procs, wait_s)
     merged = merge_proc_meta(metas)
-    notes = list(merged["incomplete"]) + list(incomplete)
-    interrupted = interrupted or merged["interrupted"]
+    notes = merged.incomplete + [_incomplete(n) for n in incomplete]
+    interrupted = interrupted or merged.interrupted
     if interrupted:
-        notes.insert(0, {"what": "the run", "why": f"interrupted: {interrupted}"})
-    closed = [m for m in metas if m.get("closed", True)]
+        notes.insert(0, Incomplete("the run", f"interrupted: {interrupted}"))
+    closed = [m for m in metas if m.closed]
     if expected_procs is not None and len(closed) < expected_procs:
-        notes.append({"what": f"{expected_procs - len(closed)} load process(es)",
-                      "why": "did not close their record shard in time"})
+        notes.append(Incomplete(f"{expected_procs - len(closed)} load process(es)",
+                                "did not close their record shard in time"))
     # (no shard left: compacted by an earlier finalize that did not get to write run.json)
     rows = store.compact(run_dir, "requests") or store.read_table(
         run_dir, "requests", columns=["request_id"]).num_rows
@@ -63,42 +65,54 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
 
             described[name] = describe(wl)
         except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
-            notes.append({"what": f"workload summary of {name}",
-                          "why": f"describe failed: {exc}"[:200]})
+            notes.append(Incomplete(f"workload summary of {name}",
+                                    f"describe failed: {exc}"[:200]))
     sent = {}
     try:
         sent = describe_sent_requests(run_dir, workloads, [j.endpoint for j in jobs])
     except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
-        notes.append({"what": "summary of the requests sent",
-                      "why": f"describe failed: {exc}"[:200]})
-    written = merged["counts"]["records_written"]
+        notes.append(Incomplete("summary of the requests sent", f"describe failed: {exc}"[:200]))
+    written = merged.count("records_written")
     if metas and len(closed) == len(metas) and rows != written:
-        notes.append({"what": "records", "why": f"{rows} rows compacted, {written} written"})
+        notes.append(Incomplete("records", f"{rows} rows compacted, {written} written"))
     lost = killed_in_flight(run_dir)
     if lost:
-        merged["counts"]["in_flight_at_kill"] = lost
+        merged.counts["in_flight_at_kill"] = lost
     workers, offsets = worker_accounts(metas)
-    data = {
-        "run_id": first.run_id if first else run_dir.name,
-        "suite": first.suite if first else "default",
-        "started_ns": started_ns, "ended_ns": time.time_ns(),
-        "config": first.config if first else {},
-        "versions": store.versions(), "git_commit": source_commit(),
-        "hosts": sorted({m.get("host") for m in metas if m.get("host")}),
-        "endpoints": _endpoints(jobs, metas),
-        "stages": [s.to_dict() for s in search.annotate(  # capacity search probes
-            run_dir, [StageEntry.from_dict(s) for s in merged["stages"]])],
-        "clock_offsets_ns": dict(clock_offsets_ns or {}), "telemetry": dict(telemetry or {}),
-        "incomplete": notes, "counts": merged["counts"], "workloads": described,
-        "workloads_sent": sent, "interrupted": bool(interrupted), "interruption": interrupted,
-        "workers": workers, "worker_clock_offsets_ns": offsets,
-    }
-    data.update(meta or {})
-    data = redact.redact_obj(data)  # no known secret, header value or URL userinfo is written
-    run_meta = store.RunMeta.from_dict(data)
-    store.write_run_json(run_dir, run_meta)
+    run = RunMeta(
+        run_id=first.run_id if first else run_dir.name,
+        suite=first.suite if first else "default",
+        started_ns=started_ns, ended_ns=time.time_ns(),
+        config=first.config if first else {},
+        versions=store.versions(), git_commit=source_commit(),
+        hosts=sorted({m.host for m in metas if m.host}),
+        endpoints=_endpoints(jobs, metas),
+        stages=search.annotate(run_dir, merged.stages),  # capacity search probes
+        clock_offsets_ns=dict(clock_offsets_ns or {}), telemetry=dict(telemetry or {}),
+        incomplete=notes, counts=merged.counts, workloads=described, workloads_sent=sent,
+        interrupted=bool(interrupted), interruption=interrupted,
+        workers=workers, worker_clock_offsets_ns=offsets)
+    run = _with(run, meta or {})
+    # no known secret, header value or URL userinfo is written (redacted as JSON: every
+    # string of every field, the config's included)
+    run = RunMeta.from_dict(redact.redact_obj(run.to_dict()))
+    store.write_run_json(run_dir, run)
     log.info("kvbench: %d records in %s", rows, run_dir)
-    return run_meta
+    return run
+
+
+def _incomplete(note) -> Incomplete:
+    """A note given by a caller: an ``Incomplete``, or its JSON object."""
+    return note if isinstance(note, Incomplete) else Incomplete.from_dict(note)
+
+
+def _with(run: RunMeta, given: dict) -> RunMeta:
+    """``run`` with the run.json fields ``given`` (JSON, or the contract's classes) set."""
+    typed = RunMeta.from_dict(given)
+    known = {f.name for f in dataclasses.fields(RunMeta)} & given.keys()
+    out = run.replace(**{k: getattr(typed, k) for k in known})
+    out.extra.update(typed.extra)
+    return out
 
 
 def source_commit() -> str | None:
@@ -110,28 +124,28 @@ def source_commit() -> str | None:
     return store.git_commit(_SOURCE_ROOT)
 
 
-def wait_for_sidecars(run_dir: Path, expected: int | None, wait_s: float) -> list[dict]:
+def wait_for_sidecars(run_dir: Path, expected: int | None, wait_s: float) -> list[ProcMeta]:
     """The sidecars, once ``expected`` of them are final (``closed``) or ``wait_s`` passed."""
     deadline = time.monotonic() + wait_s
     while True:
         metas = store.read_proc_meta(run_dir)
         if not expected or time.monotonic() >= deadline or \
-                sum(1 for m in metas if m.get("closed", True)) >= expected:
+                sum(1 for m in metas if m.closed) >= expected:
             return metas
         time.sleep(0.1)  # cooperative under Locust (gevent patches time.sleep)
 
 
-def worker_accounts(metas: list[dict]) -> tuple[dict, dict]:
+def worker_accounts(metas: list[ProcMeta]) -> tuple[dict, dict]:
     """run.json ``workers`` and ``worker_clock_offsets_ns``: what each worker that sent its
     records to the master sent (the master's account in each sidecar, ``runs.transport``)."""
     workers, offsets = {}, {}
     for m in metas:
-        acct = m.get("transport")
-        if not isinstance(acct, dict) or not m.get("worker"):
+        acct = m.transport
+        if not isinstance(acct, dict) or not m.worker:
             continue
-        workers[str(m["worker"])] = acct
+        workers[m.worker] = acct
         if isinstance(acct.get("clock_offset_ns"), int):
-            offsets[str(m["worker"])] = acct["clock_offset_ns"]
+            offsets[m.worker] = acct["clock_offset_ns"]
     return workers, offsets
 
 
@@ -143,72 +157,62 @@ def killed_in_flight(run_dir: Path) -> int:
     return pc.sum(pc.equal(err, store.KILLED_IN_FLIGHT)).as_py() or 0
 
 
-def _endpoints(jobs, metas: list[dict]) -> list[dict]:
+def _endpoints(jobs, metas: list[ProcMeta]) -> list[EndpointEntry]:
     """One entry per endpoint: the jobs' own, else what the load processes recorded."""
-    out: dict[str, dict] = {}
-    for ep in [j.endpoint.record().to_dict() for j in jobs] + [m.get("endpoint") for m in metas]:
-        if ep and ep.get("name") not in out:
-            out[ep["name"]] = ep
+    out: dict[str, EndpointEntry] = {}
+    for ep in [j.endpoint.record() for j in jobs] + [m.endpoint for m in metas]:
+        if ep is not None and ep.name not in out:
+            out[ep.name] = ep
     return list(out.values())
 
 
-def merge_proc_meta(metas: list[dict]) -> dict:
-    """Counts summed, stages merged by (endpoint, workload, index): earliest start, latest end.
-    A sidecar never closed (its process was killed) ends its open stage at its last refresh;
-    ``interrupted``: the first process's own account of a signal, if any."""
+def merge_proc_meta(metas: list[ProcMeta]) -> ProcMeta:
+    """The run's load processes as one: counts summed, stages merged by (endpoint, workload,
+    index) (earliest start, latest end), notes once each. A sidecar never closed (its process
+    was killed) ends its open stage at its last refresh; ``interrupted``: the first process's
+    own account of a signal, if any."""
     counts = {"requests_started": 0, "records_written": 0, "dropped_at_cap": 0}
-    stages: dict[tuple, dict] = {}
-    incomplete: list[dict] = []
+    stages: dict[tuple, StageEntry] = {}
+    incomplete: list[Incomplete] = []
     interrupted = None
     for m in metas:
         for k in counts:
-            counts[k] += int(m.get("counts", {}).get(k, 0))
-        own = list(m.get("stages", []))
-        if not m.get("closed", True):
+            counts[k] += m.count(k)
+        own = list(m.stages)
+        if not m.closed:
             interrupted = interrupted or "killed (a load process never closed its records)"
-            incomplete.append({"what": f"load process {m.get('worker', '?')}", "why": (
+            incomplete.append(Incomplete(f"load process {m.worker or '?'}", (
                 "killed before it closed its records: its last flush is kept, its requests "
-                "in flight are recorded as cancelled")})
-            st = m.get("open_stage")
-            if st and m.get("updated_ns"):
-                own.append(_cut(st, m["updated_ns"]))
-        interrupted = interrupted or m.get("interrupted")
+                "in flight are recorded as cancelled")))
+            if m.open_stage is not None and m.updated_ns:
+                own.append(m.open_stage.cut(m.updated_ns))
+        interrupted = interrupted or m.interrupted
         for st in own:
-            key = (st.get("endpoint"), st.get("workload"), st.get("index"))
-            cur = stages.get(key)
-            if cur is None:
-                stages[key] = dict(st)
-            else:
-                cur["t_start_ns"] = min(cur["t_start_ns"], st["t_start_ns"])
-                cur["t_end_ns"] = max(cur["t_end_ns"], st["t_end_ns"])
-                # the largest pause of the stage's processes, with its own off-CPU part
-                mine, theirs = cur.get("loop_pause_max_ms"), st.get("loop_pause_max_ms")
-                if theirs is not None and (mine is None or theirs > mine):
-                    cur["loop_pause_max_ms"] = theirs
-                    if "loop_pause_max_offcpu_ms" in st:
-                        cur["loop_pause_max_offcpu_ms"] = st["loop_pause_max_offcpu_ms"]
-                    else:  # an older process's: the other pause's split is not this one's
-                        cur.pop("loop_pause_max_offcpu_ms", None)
-                got = [v for v in (cur.get("loop_pauses_over_5ms"),
-                                   st.get("loop_pauses_over_5ms")) if v is not None]
-                if got:
-                    cur["loop_pauses_over_5ms"] = sum(got)
-        for item in m.get("incomplete", []):
+            cur = stages.get(st.key)
+            stages[st.key] = st.replace() if cur is None else _spanning(cur, st)
+        for item in m.incomplete:
             if item not in incomplete:
                 incomplete.append(item)
-    merged = sorted(stages.values(), key=lambda s: (s["t_start_ns"], s.get("index", 0)))
-    return {"counts": counts, "stages": merged, "incomplete": incomplete,
-            "interrupted": interrupted}
+    merged = sorted(stages.values(), key=lambda s: (s.t_start_ns, s.index))
+    return ProcMeta(counts=counts, stages=merged, incomplete=incomplete,
+                    interrupted=interrupted)
 
 
-def _cut(stage: dict, t_end_ns: int) -> dict:
-    """A stage stopped before its planned end: ``duration_s`` is what ran, ``partial`` set."""
-    st = dict(stage)
-    st["t_end_ns"] = max(int(t_end_ns), int(st["t_start_ns"]))
-    st.setdefault("planned_duration_s", st.get("duration_s"))
-    st["duration_s"] = (st["t_end_ns"] - st["t_start_ns"]) / 1e9
-    st["partial"] = True
-    return st
+def _spanning(cur: StageEntry, st: StageEntry) -> StageEntry:
+    """One stage run by two processes: from the earlier start to the later end, with the
+    largest loop pause of the two (and that pause's own off-CPU part), pauses over 5 ms
+    summed."""
+    out = cur.replace(t_start_ns=min(cur.t_start_ns, st.t_start_ns),
+                      t_end_ns=max(cur.t_end_ns, st.t_end_ns))
+    mine, theirs = cur.loop_pause_max_ms, st.loop_pause_max_ms
+    if theirs is not None and (mine is None or theirs > mine):
+        # an older process's pause has no split: the other pause's is not this one's
+        out.loop_pause_max_ms = theirs
+        out.loop_pause_max_offcpu_ms = st.loop_pause_max_offcpu_ms
+    got = [v for v in (cur.loop_pauses_over_5ms, st.loop_pauses_over_5ms) if v is not None]
+    if got:
+        out.loop_pauses_over_5ms = sum(got)
+    return out
 
 
 RUNNER_FILE = "runner.json"  # kvbench run's {"worker": "host:pid"} while it drives the run
@@ -224,7 +228,7 @@ def mark_running(run_dir: Path, running: bool = True) -> None:
         path.unlink(missing_ok=True)
 
 
-def recover(run_dir: Path | str) -> store.RunMeta | None:
+def recover(run_dir: Path | str) -> RunMeta | None:
     """run.json of a run whose finalizer never wrote it (a SIGKILL of the load process or of
     ``kvbench run``): shards compacted (starts without a record become ``cancelled``), rebuilt
     from its job file(s) and sidecars, marked interrupted. None when there is nothing to
@@ -241,12 +245,14 @@ def recover(run_dir: Path | str) -> store.RunMeta | None:
         driver = json.loads(runner.read_text()) if runner.exists() else None
     except (OSError, ValueError):
         driver = None
-    if isinstance(driver, dict) and _alive(driver):
-        raise DataError(f"{run_dir}: kvbench run (process {driver.get('worker')}) is still "
-                        "driving it; wait for it to end, or stop it first")
+    if isinstance(driver, dict):
+        worker = driver.get("worker")
+        if _alive(worker, driver.get("updated_ns")):
+            raise DataError(f"{run_dir}: kvbench run (process {worker}) is still driving "
+                            "it; wait for it to end, or stop it first")
     for m in metas:
-        if not m.get("closed", True) and _alive(m):
-            raise DataError(f"{run_dir}: its run is still going (process {m.get('worker')} "
+        if not m.closed and _alive(m.worker, m.updated_ns):
+            raise DataError(f"{run_dir}: its run is still going (process {m.worker} "
                             "writes it); wait for it to end, or stop it first")
     from kvbench.runs.job import Job
 
@@ -255,18 +261,18 @@ def recover(run_dir: Path | str) -> store.RunMeta | None:
         try:
             jobs.append(Job.load(path))
         except UserError as exc:
-            notes.append({"what": path.name, "why": str(exc)[:200]})
+            notes.append(Incomplete(path.name, str(exc)[:200]))
     for job in jobs:
         if job.workload in workloads:
             continue
         try:
             workloads[job.workload] = job.build_workload()
         except Exception as exc:  # noqa: BLE001 - the records matter more than the summary
-            notes.append({"what": f"workload summary of {job.workload}",
-                          "why": f"describe failed: {exc}"[:200]})
-    opened = [m["opened_ns"] for m in metas if m.get("opened_ns")]
-    killed = any(not m.get("closed", True) for m in metas)
-    said = next((m["interrupted"] for m in metas if m.get("interrupted")), None)
+            notes.append(Incomplete(f"workload summary of {job.workload}",
+                                    f"describe failed: {exc}"[:200]))
+    opened = [m.opened_ns for m in metas if m.opened_ns]
+    killed = any(not m.closed for m in metas)
+    said = next((m.interrupted for m in metas if m.interrupted), None)
     why = ("killed before run.json was written; recovered from its shards" if killed else
            f"{said}; run.json recovered from its shards" if said else
            "its finalizer stopped before writing run.json; recovered from its shards")
@@ -279,12 +285,13 @@ def recover(run_dir: Path | str) -> store.RunMeta | None:
     return meta
 
 
-def _alive(meta: dict) -> bool:
-    """Whether the process that wrote a sidecar still runs (on this host; elsewhere: assume
-    not, a sidecar refreshed in the last 5 s excepted)."""
-    host, _, pid = str(meta.get("worker", "")).rpartition(":")
+def _alive(worker: str | None, updated_ns: int | None) -> bool:
+    """Whether process ``worker`` (host:pid) that wrote a file of the run at ``updated_ns``
+    still runs (on this host; elsewhere: assume not, a file refreshed in the last 5 s
+    excepted)."""
+    host, _, pid = str(worker or "").rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
-        return time.time_ns() - int(meta.get("updated_ns") or 0) < 5e9
+        return time.time_ns() - int(updated_ns or 0) < 5e9
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -296,7 +303,7 @@ def _alive(meta: dict) -> bool:
 
 def records_so_far(run_dir: Path | str) -> int:
     """Records the load processes of a run have closed so far (from their sidecars)."""
-    return merge_proc_meta(store.read_proc_meta(run_dir))["counts"]["records_written"]
+    return merge_proc_meta(store.read_proc_meta(run_dir)).count("records_written")
 
 
 def describe_sent_requests(run_dir: Path, workloads: dict, endpoint_cfgs=()) -> dict:

@@ -14,12 +14,12 @@ import importlib
 import json
 import os
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvbench.core import redact
-from kvbench.core.contract import EndpointEntry, SearchSpec
+from kvbench.core.contract import SLO, EndpointEntry, SearchSpec, StagePlan, slo_map
 from kvbench.core.errors import UserError
 from kvbench.core.rows import new_run_id
 
@@ -27,18 +27,6 @@ SECRET_HEADERS_ENV = "KVBENCH_SECRET_HEADERS"
 FOREVER_S = 3600.0 * 24  # a stage with no end: the run ends on Locust's --run-time
 DRAIN_S = 30.0  # [profiles.*] drain_s's default, for a job without a profile
 DEFAULT_MIX = [("chat", 4), ("rag", 3), ("agent", 2), ("longctx", 1)]
-
-
-@dataclass(frozen=True)
-class JobStage:
-    """One load stage: open loop at ``rate_rps`` (all processes together) or closed loop with
-    ``users``; ``duration_s`` already scaled."""
-
-    index: int
-    duration_s: float
-    rate_rps: float | None = None
-    users: int | None = None
-    requests: int | None = None  # the stage ends after this many sent (all processes)
 
 
 @dataclass
@@ -78,7 +66,7 @@ class Job:
     tokenizer: str | None = "builtin"
     seed: int = 0
     pacing: str = "closed"
-    stages: list = field(default_factory=list)  # [JobStage]
+    stages: list[StagePlan] = field(default_factory=list)
     stage_index: int = 0  # the stage a closed-loop run drives
     max_requests: int | None = None  # the run ends after this many sent (--kvbench-requests)
     gamma_cv: float = 2.0
@@ -88,7 +76,7 @@ class Job:
     warm_connections: bool = True
     ignore_eos: bool = False
     cache: str = "as-is"  # the prefix-cache state kvbench run starts the job from (runs.cache)
-    slo: dict = field(default_factory=dict)
+    slo: dict[str, SLO] = field(default_factory=dict)  # by request class
     run_id: str = ""
     results_dir: str = "results"
     profile: str | None = None
@@ -145,16 +133,19 @@ class Job:
 
     # -- the job file
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("secret_headers")
-        d["search"] = self.search.to_dict() if self.search is not None else None
+        """The job file's JSON: stages, SLOs and the search as the contract serialises them."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "secret_headers"}
+        d.update(endpoint=asdict(self.endpoint), stages=[s.to_dict() for s in self.stages],
+                 slo={k: v.to_dict() for k, v in self.slo.items()},
+                 search=self.search.to_dict() if self.search is not None else None)
         return redact.redact_obj(d)  # no URL password (the client never sends one) or secret
 
     @classmethod
     def from_dict(cls, d: dict) -> "Job":
         d = dict(d)
         d["endpoint"] = JobEndpoint(**d["endpoint"])
-        d["stages"] = [JobStage(**s) for s in d.get("stages", [])]
+        d["stages"] = [StagePlan.from_dict(s) for s in d.get("stages", [])]
+        d["slo"] = slo_map(d.get("slo"))
         search = d.pop("search", None)
         d["search"] = SearchSpec.from_dict(search) if search is not None else None
         d.pop("secret_headers", None)
@@ -266,7 +257,7 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
             topology: str | None = None, model: str | None = None,
             api_key_env: str | None = None, max_context_tokens: int | None = None,
             profile: str | None = None, pacing: str | None = None,
-            stages: list[JobStage] | None = None, stage_index: int = 0,
+            stages: list[StagePlan] | None = None, stage_index: int = 0,
             duration_scale: float = 1.0, gamma_cv: float | None = None,
             max_in_flight: int | None = None, timeout_s: float | None = None,
             cold_connections: bool = False, ignore_eos: bool = False, run_id: str = "",
@@ -304,12 +295,11 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         search = search.replace(**{k: getattr(search, k) * duration_scale
                                    for k in ("probe_s", "max_probe_s", "budget_s", "settle_s")})
         stages = stages or [
-            JobStage(0, search.budget_s, users=search.start_users)
-            if search.closed else JobStage(0, search.budget_s, search.start_rps)]
+            StagePlan(0, search.budget_s, users=search.start_users)
+            if search.closed else StagePlan(0, search.budget_s, search.start_rps)]
     if stages is None:
-        stages = ([JobStage(i, s.duration_s * duration_scale, s.rate_rps, s.users, s.requests)
-                   for i, s in enumerate(prof.stages)] if prof is not None
-                  else [JobStage(0, FOREVER_S)])
+        stages = ([s.plan(i, duration_scale) for i, s in enumerate(prof.stages)]
+                  if prof is not None else [StagePlan(0, FOREVER_S)])
     warm = (prof.warmup_connections if prof else True) and not cold_connections
     name = endpoint or urlsplit(host).netloc
     if not model:
@@ -339,7 +329,8 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         warm_connections=warm, ignore_eos=ignore_eos,
         cache=(getattr(prof, "cache", None) or (cfg.suite.cache if cfg is not None else None)
                or "as-is"),
-        slo={k: v.model_dump(mode="json") for k, v in (cfg_eff.slo if cfg_eff else {}).items()},
+        slo=slo_map({k: v.model_dump(mode="json")
+                     for k, v in (cfg_eff.slo if cfg_eff else {}).items()}),
         run_id=run_id or new_run_id(cfg.suite.name if cfg is not None else "locust"),
         results_dir=str(results_dir), profile=prof_name, search=search,
         suite=cfg_eff.suite.name if cfg_eff is not None else "locust",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.core.contract import StageEntry
 from kvbench.core.rows import shard_stem
 
 LIVE_PREFIX = "live-"
@@ -44,19 +45,18 @@ def read_live(run_dir: Path | str) -> list[dict]:
 
 
 def line(job, lives: list[dict], now_ns: int | None = None,
-         ended: dict | None = None) -> str | None:
+         ended: StageEntry | None = None) -> str | None:
     """The progress line of ``job`` from its processes' live files (None before any);
     ``ended``: a stage that has just ended (its line once more, with the latest counts)."""
     if not lives:
         return None
     now_ns = now_ns or time.time_ns()
-    opened = _open(lives)
-    if not opened and ended is None:
+    st = ended or _open(lives)
+    if st is None:
         return None
-    st = ended or opened
-    index = int(st.get("index", 0))
-    planned = float(st.get("duration_s") or 0.0)
-    elapsed = max(0.0, (now_ns - int(st.get("t_start_ns") or now_ns)) / 1e9)
+    index = st.index
+    planned = float(st.duration_s or 0.0)
+    elapsed = max(0.0, (now_ns - (st.t_start_ns or now_ns)) / 1e9)
     if ended is not None:
         elapsed = min(elapsed, planned)
     done = errors = 0
@@ -72,7 +72,7 @@ def line(job, lives: list[dict], now_ns: int | None = None,
     frac = min(1.0, elapsed / planned) if planned > 0 and not long_stage else 0.0
     bar = "#" * int(round(frac * BAR)) + "." * (BAR - int(round(frac * BAR)))
     plan = "" if long_stage else f"/{planned:.0f}"
-    what = f"{st.get('rate_rps')} req/s" if st.get("rate_rps") else f"{st.get('users')} users"
+    what = f"{st.rate_rps} req/s" if st.rate_rps else f"{st.users} users"
     return (f"  stage {k}/{n_stages} ({what}) [{bar}] {elapsed:.0f}{plan} s  {done} done  "
             f"TTFT p50 {p50}  {errors} errors")
 
@@ -122,8 +122,8 @@ class Progress:
                 text = line(self.job, lives)
                 if text is None:
                     continue
-                st = _open(lives)
-                if self._stage is not None and st.get("index") != self._stage.get("index"):
+                st = _open(lives)  # there is one: the line was drawn
+                if self._stage is not None and st.index != self._stage.index:
                     self._draw(line(self.job, lives, ended=self._stage) or self._last)
                     self._write("\n")  # the stage that ended keeps its line
                     self._last = ""
@@ -138,7 +138,9 @@ class Progress:
             self._last = text
 
 
-def _open(lives: list[dict]) -> dict:
-    opened = [d["state"].get("open_stage") for d in lives
-              if isinstance(d.get("state"), dict) and d["state"].get("open_stage")]
-    return max(opened, key=lambda s: s.get("index", 0)) if opened else {}
+def _open(lives: list[dict]) -> StageEntry | None:
+    """The latest stage open in any process (the live files carry it as its JSON object)."""
+    opened = [StageEntry.from_dict(d["state"]["open_stage"]) for d in lives
+              if isinstance(d.get("state"), dict)
+              and isinstance(d["state"].get("open_stage"), dict)]
+    return max(opened, key=lambda s: s.index) if opened else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from kvbench.core.contract import Incomplete
 from kvbench.core.redact import redact
 
 
@@ -19,7 +20,7 @@ def start(run_dir, cfg, jobs, notes: dict):
         from kvbench.collectors.session import start_collectors
     except ImportError as exc:
         notes["telemetry"]["collectors"] = f"not available ({exc})"
-        notes["incomplete"].append({"what": "telemetry", "why": "collectors not installed"})
+        notes["incomplete"].append(Incomplete("telemetry", "collectors not installed"))
         return None
     eps = {}
     for job in jobs:
@@ -30,7 +31,7 @@ def start(run_dir, cfg, jobs, notes: dict):
         return start_collectors(run_dir, cfg.collect, list(eps.values()), log=_log)
     except Exception as exc:  # noqa: BLE001 - load still runs without telemetry
         notes["telemetry"]["collectors"] = f"failed to start: {exc}"
-        notes["incomplete"].append({"what": "telemetry", "why": str(exc)[:200]})
+        notes["incomplete"].append(Incomplete("telemetry", str(exc)[:200]))
         return None
 
 
@@ -40,8 +41,8 @@ def stop(collectors, notes: dict) -> None:
         return
     try:
         got = collectors.stop()
-        notes["telemetry"].update(got.get("telemetry", {}))
-        notes["incomplete"].extend(got.get("incomplete", []))
-        notes["clock_offsets_ns"].update(got.get("clock_offsets_ns", {}))
+        notes["telemetry"].update(got.telemetry)
+        notes["incomplete"].extend(got.incomplete)
+        notes["clock_offsets_ns"].update(got.clock_offsets_ns)
     except Exception as exc:  # noqa: BLE001 - results first
         notes["telemetry"]["collectors"] = f"stop failed: {exc}"

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.core import rows
+from kvbench.core.contract import Incomplete, ProcMeta
 
 RECORDS_MSG = "kvbench_records"  # worker -> master: {w, seq, kind, data}
 ACK_MSG = "kvbench_ack"  # master -> worker: {seqs: [...]}
@@ -185,7 +186,7 @@ class WorkerState:
     duplicates: int = 0
     bytes: int = 0
     last_seen: float = 0.0
-    meta: dict | None = None
+    meta: ProcMeta | None = None  # the last sidecar it sent
     closed: bool = False
     lost: dict | None = None
     clock: ClockEstimate = field(default_factory=ClockEstimate)
@@ -229,7 +230,7 @@ class Inbox:
             st.lost = None
             st.writers = {}  # those were closed: new ones append to the same shards
         if kind == "meta":
-            self._meta(st, dict(data))
+            self._meta(st, ProcMeta.from_dict(data))
         else:
             columns, batch, n = decode(kind, data)
             w = st.writers.get(kind)
@@ -248,9 +249,9 @@ class Inbox:
         st.seqs.add(seq)
         return seq
 
-    def _meta(self, st: WorkerState, meta: dict) -> None:
+    def _meta(self, st: WorkerState, meta: ProcMeta) -> None:
         st.meta = meta
-        if meta.get("closed"):
+        if meta.closed:
             st.closed = True
             for w in st.writers.values():
                 w.close()
@@ -260,21 +261,16 @@ class Inbox:
         if st.meta is None:
             return
         meta = copy.deepcopy(st.meta)
-        meta["worker"] = st.name  # the name its records carry
-        meta["transport"] = self.account(st)
+        meta.worker = st.name  # the name its records carry
+        meta.transport = self.account(st)
         if st.lost is not None:
-            meta["closed"] = True
-            meta["lost"] = st.lost
-            items = meta.setdefault("incomplete", [])
-            items.append({"what": f"worker {st.name}", "why": (
+            meta.closed, meta.lost = True, st.lost
+            meta.incomplete.append(Incomplete(f"worker {st.name}", (
                 f"lost mid-run ({st.lost['why']}): {st.lost['missing']} of its requests "
-                "missing (started by its last report, no record reached the master)")})
-            open_stage = meta.get("open_stage")
-            if open_stage and meta.get("updated_ns"):
-                from kvbench.runs.finalize import _cut
-
-                meta.setdefault("stages", []).append(_cut(open_stage, meta["updated_ns"]))
-                meta["open_stage"] = None
+                "missing (started by its last report, no record reached the master)")))
+            if meta.open_stage is not None and meta.updated_ns:
+                meta.stages.append(meta.open_stage.cut(meta.updated_ns))
+                meta.open_stage = None
         rows.write_proc_meta(self.run_dir, meta, stem=stem_of(st.name))
 
     def account(self, st: WorkerState) -> dict:
@@ -311,10 +307,10 @@ class Inbox:
     def declare_lost(self, st: WorkerState, why: str) -> None:
         if st.meta is None:  # lost before its sink sent its first sidecar
             host = st.name.rpartition(":")[0] or st.name
-            st.meta = {"counts": {"requests_started": 0, "records_written": 0,
-                                  "dropped_at_cap": 0}, "stages": [], "incomplete": [],
-                       "worker": st.name, "host": host, "closed": False}
-        started = int(((st.meta or {}).get("counts") or {}).get("requests_started", 0))
+            st.meta = ProcMeta(counts={"requests_started": 0, "records_written": 0,
+                                       "dropped_at_cap": 0}, worker=st.name, host=host,
+                               closed=False)
+        started = st.meta.count("requests_started")
         st.lost = {"why": why, "missing": max(0, started - st.records),
                    "requests_started_last_report": started, "records_received": st.records}
         for w in st.writers.values():
