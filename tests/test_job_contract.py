@@ -26,8 +26,9 @@ def test_job_file_round_trips_through_the_contract(tmp_path):
     loaded = Job.load(job.save(tmp_path / job.file_name()))
     assert loaded == job and isinstance(loaded.slo["chat"], SLO)
     data = json.loads((tmp_path / job.file_name()).read_text())
-    assert data["slo"]["chat"] == {"ttft_ms": 500, "tpot_ms": 50}  # no limit: not written
-    assert data["stages"][1] == {"index": 1, "duration_s": 5.0, "rate_rps": 6.0,
+    # every key of the contract written, null where not set
+    assert data["slo"]["chat"] == {"ttft_ms": 500, "tpot_ms": 50, "e2e_ms": None}
+    assert data["stages"][1] == {"index": 1, "duration_s": 5.0, "rate_rps": 6.0, "users": None,
                                  "requests": 40, "exact_count": False}
 
 
