@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from kvbench.core.contract import StageEntry
 from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
 from kvbench.reports import overload as O
@@ -84,8 +85,7 @@ def _median(v) -> float:
 def _sent_descriptions(d: ReportData, ep: str) -> dict | None:
     """run.json ``workloads_sent[<endpoint>]`` of the run that holds endpoint label ``ep``;
     None when that run did not record it (written before kvbench stored it)."""
-    entry = d.endpoints.get(ep) or {}
-    name, run_id = str(entry.get("name", ep)), entry.get("run_id")
+    name, run_id = d.endpoint(ep).name, d.endpoint_runs.get(ep)
     got = None
     for run in d.runs:
         if run_id is not None and str(run.run_id) != str(run_id):
@@ -312,11 +312,11 @@ def _reprefills(f: pd.DataFrame) -> dict[str, dict]:
 def _endpoint_setting(d: ReportData, ep: str, header: str, keys: tuple[str, ...]) -> str | None:
     """A per-endpoint region setting from run.json's endpoint entry or the resolved config
     (request header, or builtin option)."""
-    entry = d.endpoints.get(ep) or {}
-    for k in keys:
-        if entry.get(k):
-            return str(entry[k])
-    name = entry.get("name", ep)
+    entry = d.endpoint(ep)
+    for k in keys:  # keys of run.json's endpoint entry that this version has no field for
+        if entry.extra.get(k):
+            return str(entry.extra[k])
+    name = entry.name
     for run in d.runs:
         for cfg in run.config.get("endpoints") or []:
             if not isinstance(cfg, dict) or cfg.get("name") != name:
@@ -568,16 +568,17 @@ def overloaded(d: ReportData) -> list[Finding]:
     return out
 
 
-def _largest_pause(stages: list[dict], endpoint: str) -> tuple[float, str, float | None] | None:
+def _largest_pause(stages: list[StageEntry], endpoint: str
+                   ) -> tuple[float, str, float | None] | None:
     """The largest recorded loop pause of ``endpoint``'s stages, where it was, and how much of
     it the load process was not running (None: not measured)."""
     best = None
     for s in stages:
-        ms = s.get("loop_pause_max_ms")
-        if str(s.get("endpoint")) == endpoint and ms is not None and (
+        ms = s.loop_pause_max_ms
+        if str(s.endpoint) == endpoint and ms is not None and (
                 best is None or float(ms) > best[0]):
-            off = s.get("loop_pause_max_offcpu_ms")
-            best = (float(ms), f"{s.get('workload')} stage {s.get('index')}",
+            off = s.loop_pause_max_offcpu_ms
+            best = (float(ms), f"{s.workload} stage {s.index}",
                     None if off is None else float(off))
     return best
 

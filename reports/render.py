@@ -18,6 +18,7 @@ import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from kvbench.core import redact
+from kvbench.core.contract import EndpointEntry, StageEntry
 from kvbench.reports import engine_counters as E
 from kvbench.reports import metrics as M
 from kvbench.reports.data import ReportData
@@ -107,7 +108,7 @@ def _row(label: str, unit: str, values: list[float], higher: bool | None,
 def cost_per_m_output(d: ReportData, ep: str, frame: pd.DataFrame) -> float:
     """The endpoint's GPUs at its gpu_hour_cost, per million output tokens at the achieved
     output rate of its rows (``reports.pareto``)."""
-    return P.endpoint_figures(frame, d.endpoints.get(ep))["cost_per_m"]
+    return P.endpoint_figures(frame, d.endpoint(ep))["cost_per_m"]
 
 
 def build_context(d: ReportData, title: str | None = None, figures: bool = True) -> dict:
@@ -127,7 +128,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                              seed=REPORT_SEED)
     engine_hits = E.hit_ratio(d.engine)
     walls = {ep: wall_s(sub) for ep, sub in per_ep.items()}
-    gpu_figs = {ep: P.endpoint_figures(sub, d.endpoints.get(ep)) for ep, sub in per_ep.items()}
+    gpu_figs = {ep: P.endpoint_figures(sub, d.endpoint(ep)) for ep, sub in per_ep.items()}
     costs = {ep: gpu_figs[ep]["cost_per_m"] for ep in eps}
     example_price = any(gpu_figs[ep]["example_price"] for ep in eps)
 
@@ -187,8 +188,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                               for ep, no_slo in zip(eps, no_slo_ep)),
                              key=lambda r: -_nz(r["value"])),
         "by_cost": sorted(({"endpoint": ep, "value": costs[ep], "text": fmt(costs[ep]),
-                            "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
-                            "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost"),
+                            "gpus": d.endpoint(ep).gpus,
+                            "gpu_hour_cost": d.endpoint(ep).gpu_hour_cost,
                             "example_price": gpu_figs[ep]["example_price"]}
                            for ep in eps if not math.isnan(costs[ep])),
                           key=lambda r: r["value"]),
@@ -216,14 +217,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "runs": [{"run_id": r.run_id, "suite": r.suite, "started": _iso(r.started_ns),
                   "ended": _iso(r.ended_ns), "path": str(p)} for r, p in zip(d.runs, d.paths)],
-        "endpoints": [{"name": ep, "topology": (d.endpoints.get(ep) or {}).get("topology")
-                       or _mode(per_ep[ep]["topology"]),
-                       "model": (d.endpoints.get(ep) or {}).get("model"),
-                       "url": redact.redact_url((d.endpoints.get(ep) or {}).get("url")),
-                       "gpus": (d.endpoints.get(ep) or {}).get("gpus"),
-                       "gpu_hour_cost": (d.endpoints.get(ep) or {}).get("gpu_hour_cost"),
-                       "example_price": gpu_figs[ep]["example_price"]}
-                      for ep in eps],
+        "endpoints": [_endpoint_row(ep, d.endpoint(ep), per_ep[ep], gpu_figs[ep]) for ep in eps],
         "endpoint_names": eps,
         "summary": summary,
         "by_class": by_class,
@@ -250,13 +244,21 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "git_commits": sorted({str(r.git_commit) for r in d.runs if r.git_commit}),
         "hosts": sorted({str(h) for r in d.runs for h in r.hosts}),
         "telemetry": {k: v for r in d.runs for k, v in r.telemetry.items()},
-        "incomplete": [dict(x, run_id=r.run_id) for r in d.runs
-                       for x in r.incomplete if isinstance(x, dict)],
+        "incomplete": [{"run_id": r.run_id, "what": x.what, "why": x.why}
+                       for r in d.runs for x in r.incomplete],
         "counts": {r.run_id: r.counts for r in d.runs if r.counts},
         "workloads": d.workloads,
         "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
     }
+
+
+def _endpoint_row(label: str, entry: EndpointEntry, rows: pd.DataFrame, figures: dict) -> dict:
+    """The endpoints table's row: what run.json recorded (the topology, where it did not, the
+    one most of the endpoint's records carry), the URL without its userinfo."""
+    return {"name": label, "topology": entry.topology or _mode(rows["topology"]),
+            "model": entry.model, "url": redact.redact_url(entry.url), "gpus": entry.gpus,
+            "gpu_hour_cost": entry.gpu_hour_cost, "example_price": figures["example_price"]}
 
 
 def _per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
@@ -398,14 +400,13 @@ def _primed(d: ReportData) -> dict[str, tuple[int, int]]:
     shown = set(d.endpoint_names)
     out: dict[str, tuple[int, int]] = {}
     for meta in d.runs:
-        for entry in getattr(meta, "cache_states", None) or ():
-            if not isinstance(entry, dict) or not entry.get("primed_prefixes"):
+        for entry in meta.cache_states:
+            if not entry.primed_prefixes:
                 continue
-            name = str(entry.get("endpoint"))
+            name = str(entry.endpoint)
             label = f"{name}@{meta.run_id}" if f"{name}@{meta.run_id}" in shown else name
             n, tokens = out.get(label, (0, 0))
-            out[label] = (n + int(entry["primed_prefixes"]),
-                          tokens + int(entry.get("primed_tokens") or 0))
+            out[label] = (n + int(entry.primed_prefixes), tokens + int(entry.primed_tokens or 0))
     return out
 
 
@@ -556,14 +557,14 @@ def _table_rows(t: pd.DataFrame, keys: list[str], mark_within: str | None = None
 LOOP_PAUSE = "largest loop pause"  # the stage table's column, beside client lateness
 
 
-def loop_pause_text(stage: dict) -> str:
+def loop_pause_text(stage: StageEntry) -> str:
     """The load process's largest event-loop pause in a stage, and how many were over 5 ms
     (every stream is read late together during one: lateness per request cannot show it)."""
-    ms = stage.get("loop_pause_max_ms")
+    ms = stage.loop_pause_max_ms
     if ms is None:
         return "–"  # not measured (a run recorded before kvbench measured it)
-    n = stage.get("loop_pauses_over_5ms") or 0
-    off = stage.get("loop_pause_max_offcpu_ms")
+    n = stage.loop_pauses_over_5ms or 0
+    off = stage.loop_pause_max_offcpu_ms
     parts = []
     if off is not None and float(off) >= 0.5:  # the host's share: the process was not running
         parts.append(f"{float(off):.1f} off-CPU")
@@ -586,23 +587,22 @@ def _stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
     verdicts = {(str(r["endpoint"]), str(r["workload"]), int(r["stage"])): r["overloaded"]
                 for _, r in rates.iterrows()}
     offered, load, kind, over, pauses = [], [], set(), [], []
-    idx = {(str(s.get("endpoint")), str(s.get("workload")), int(s.get("index", -1))): s
-           for s in d.stages}
+    idx = {(str(s.endpoint), str(s.workload), int(s.index)): s for s in d.stages}
     for _, r in t.iterrows():
         k = (str(r["endpoint"]), str(r["workload"]), int(r["stage"]))
-        s = idx.get(k, {})
+        s = idx.get(k) or StageEntry()  # a stage run.json does not list: its load unknown
         v = verdicts.get(k)
         pauses.append(loop_pause_text(s))
         over.append("–" if v is None or v != v else ("yes" if v else "no"))
         if r["offered_rps"] == r["offered_rps"]:
             offered.append(float(r["offered_rps"]))
-            load.append(f"{s.get('pacing') or 'rate'} {fmt(s['rate_rps'])} req/s planned"
-                        if s.get("rate_rps") else f"{s.get('pacing') or 'scheduled'} replay"
-                        if s.get("pacing") == "trace" else "scheduled")
+            load.append(f"{s.pacing or 'rate'} {fmt(s.rate_rps)} req/s planned"
+                        if s.rate_rps else f"{s.pacing or 'scheduled'} replay"
+                        if s.pacing == "trace" else "scheduled")
             kind.add("rate")
-        elif s.get("users"):
-            offered.append(float(s["users"]))
-            load.append(f"{int(s['users'])} users")
+        elif s.users:
+            offered.append(float(s.users))
+            load.append(f"{int(s.users)} users")
             kind.add("users")
         else:
             offered.append(float(r["throughput_rps"]))
