@@ -176,7 +176,8 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
     return ReportData(frame=frame, runs=[r.meta for r in results],
                       paths=[r.path for r in results], gpu=pa.concat_tables(gpus),
                       engine=pa.concat_tables(engines), slo=slo_d, endpoints=endpoints,
-                      endpoint_runs=endpoint_runs, stages=stages, workloads=workloads, workloads_sent=sent)
+                      endpoint_runs=endpoint_runs, stages=stages, workloads=workloads,
+                      workloads_sent=sent)
 
 
 def _relabel(t: pa.Table, label) -> pa.Table:
