@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench import engines
+from kvbench.core.contract import CacheState, CacheTheory
 
 # Two hit ratios "agree" within the larger of an absolute floor and three standard errors of a
 # per-request proportion (requests, not tokens, are the independent draws).
@@ -28,28 +29,28 @@ def _noise(ratio: float, n: int) -> float:
     return max(AGREE_ABS, AGREE_SE * math.sqrt(max(ratio * (1 - ratio), 0.0) / n))
 
 
-def _delta(entry: dict, key: str) -> float | None:
-    before, after = entry.get("counters_before") or {}, entry.get("counters_after") or {}
+def _delta(entry: CacheState, key: str) -> float | None:
+    before, after = entry.counters_before or {}, entry.counters_after or {}
     if before.get(key) is None or after.get(key) is None:
         return None
     d = after[key] - before[key]
     return d if d >= 0 else after[key]  # a counter reset (engine restart) counts from zero
 
 
-def _records(frame: pd.DataFrame, entry: dict, label: str) -> pd.DataFrame:
+def _records(frame: pd.DataFrame, entry: CacheState, label: str) -> pd.DataFrame:
     sel = ((frame["endpoint"].astype(str) == label)
-           & (frame["workload"].astype(str) == entry.get("workload")))
-    t0, t1 = entry.get("t_start_ns"), entry.get("t_end_ns") or np.iinfo(np.int64).max
+           & (frame["workload"].astype(str) == entry.workload))
+    t0, t1 = entry.t_start_ns, entry.t_end_ns or np.iinfo(np.int64).max
     if t0 is not None:
         t = frame["t_sent_ns"].to_numpy(np.float64)
         sel &= (t >= t0) & (t <= t1)
     return frame[sel]
 
 
-def verify(entry: dict, frame: pd.DataFrame, label: str | None = None) -> dict:
+def verify(entry: CacheState, frame: pd.DataFrame, label: str | None = None) -> dict:
     """One job's row: its start state, the three hit ratios, token checks and findings.
     ``label``: the endpoint's name in ``frame`` (``name@run_id`` when runs share a name)."""
-    label = label or str(entry.get("endpoint"))
+    label = label or str(entry.endpoint)
     sub = _records(frame, entry, label)
     done = sub[~sub["cancelled"].to_numpy(bool)] if "cancelled" in sub else sub
     prompt = done["prompt_tokens"].to_numpy(np.float64)
@@ -63,7 +64,7 @@ def verify(entry: dict, frame: pd.DataFrame, label: str | None = None) -> dict:
         if "completion_tokens" in done else np.array([])
     rec_completion = float(np.nansum(completion)) if np.isfinite(completion).any() else math.nan
     try:
-        adapter = engines.get(entry.get("engine") or "vllm")
+        adapter = engines.get(entry.engine or "vllm")
     except KeyError:
         adapter = None
     hits, queries = _delta(entry, "hits"), _delta(entry, "queries")
@@ -75,28 +76,28 @@ def verify(entry: dict, frame: pd.DataFrame, label: str | None = None) -> dict:
     if eng_prompt is None and adapter is not None and adapter.queries_exclude_hits \
             and hits is not None and queries is not None:
         eng_prompt = hits + queries
-    theo = entry.get("theoretical") or {}
-    theo_ratio = theo.get("hit_ratio_lru")
+    theo = entry.theoretical or CacheTheory()
+    theo_ratio = theo.hit_ratio_lru
     if theo_ratio is None:
-        theo_ratio = theo.get("hit_ratio_unbounded")
+        theo_ratio = theo.hit_ratio_unbounded
     theo_ratio = math.nan if theo_ratio is None else float(theo_ratio)
     n_req = len(done)
     cancelled = int(len(sub) - len(done))
-    row = {"endpoint": label, "workload": entry.get("workload"),
-           "profile": entry.get("profile"), "stage": entry.get("stage"),
-           "mode": entry.get("mode"), "started_from": entry.get("started_from", ""),
+    row = {"endpoint": label, "workload": entry.workload,
+           "profile": entry.profile, "stage": entry.stage,
+           "mode": entry.mode, "started_from": entry.started_from or "",
            "requests": n_req, "cancelled": cancelled, "records_ratio": rec_ratio,
            "engine_ratio": eng_ratio, "theoretical_ratio": theo_ratio,
-           "block_tokens": theo.get("block_tokens"), "capacity_tokens": theo.get("capacity_tokens"),
+           "block_tokens": theo.block_tokens, "capacity_tokens": theo.capacity_tokens,
            "records_cached": rec_cached, "engine_hits": hits, "records_prompt": rec_prompt,
            "engine_prompt": eng_prompt, "records_completion": rec_completion,
            "engine_generation": _delta(entry, "generation"),
-           "notes": list(entry.get("notes") or [])}
+           "notes": list(entry.notes)}
     row["findings"] = _findings(row, entry, n_reported=n)
     return row
 
 
-def _findings(row: dict, entry: dict, n_reported: int) -> list[str]:
+def _findings(row: dict, entry: CacheState, n_reported: int) -> list[str]:
     """Why the ratios disagree, in sentences with the numbers; empty when they agree."""
     out = []
     rec, eng, theo = row["records_ratio"], row["engine_ratio"], row["theoretical_ratio"]
@@ -105,7 +106,7 @@ def _findings(row: dict, entry: dict, n_reported: int) -> list[str]:
         out.append("the server reported no cached_tokens in its usage, so the records hold no "
                    "hit ratio (vLLM adds them with --enable-prompt-tokens-details); the engine "
                    "counters stand alone")
-    if entry.get("counters_after") is None or entry.get("counters_before") is None:
+    if entry.counters_after is None or entry.counters_before is None:
         out.append("the engine's /metrics could not be read around the job: no counter check")
     hits, cached = row["engine_hits"], row["records_cached"]
     if hits is not None and not math.isnan(cached) and max(hits, cached) > 0:
@@ -163,11 +164,10 @@ def cache_rows(runs, frame: pd.DataFrame) -> list[dict]:
     out = []
     shown = {str(c) for c in frame["endpoint"].cat.categories} if len(frame) else set()
     for meta in runs:
-        for entry in getattr(meta, "cache_states", None) or ():
-            if isinstance(entry, dict):
-                name = str(entry.get("endpoint"))
-                label = f"{name}@{meta.run_id}" if f"{name}@{meta.run_id}" in shown else name
-                out.append({"run_id": meta.run_id, **verify(entry, frame, label)})
+        for entry in meta.cache_states:
+            name = str(entry.endpoint)
+            label = f"{name}@{meta.run_id}" if f"{name}@{meta.run_id}" in shown else name
+            out.append({"run_id": meta.run_id, **verify(entry, frame, label)})
     return out
 
 

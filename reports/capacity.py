@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from kvbench.core.contract import SLO, StageEntry, slo_map
 from kvbench.reports import resampling
 
 TARGET = 0.95
@@ -65,15 +66,13 @@ class ProbeVerdict:
         return failing[0] if failing else self.classes[0] if self.classes else None
 
 
-def _limit(slo: dict, cls: str, key: str):
-    cfg = slo.get(cls)
-    if cfg is None:
-        return None
-    v = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+def _limit(slo: SLO | None, key: str) -> float | None:
+    """The class's limit on ``key`` (``ttft_ms``, ...) in ms; None: no SLO or no limit."""
+    v = None if slo is None else getattr(slo, key)
     return None if v is None else float(v)
 
 
-def misses_by_slo(sub: pd.DataFrame, slo: dict, cls: str) -> dict:
+def misses_by_slo(sub: pd.DataFrame, slo: dict[str, SLO], cls: str) -> dict:
     """How many of a class's requests missed each of its SLOs (and how many failed)."""
     out = {}
     ok = sub["ok"].to_numpy()
@@ -81,7 +80,7 @@ def misses_by_slo(sub: pd.DataFrame, slo: dict, cls: str) -> dict:
     if n_bad:
         out["errors or cut"] = n_bad
     for key, name in SLO_KINDS:
-        limit = _limit(slo, cls, key)
+        limit = _limit(slo.get(cls), key)
         if limit is None:
             continue
         v = sub[key].to_numpy(np.float64)
@@ -169,7 +168,9 @@ def probe_verdict(frame: pd.DataFrame, slo: dict, *, target: float = TARGET,
                   confidence: float = CONFIDENCE, min_class_requests: int = 1,
                   seed: int = 0) -> ProbeVerdict:
     """The verdict on a probe's requests (``reports.frame.request_frame`` rows: request_class,
-    ok, cancelled, slo_met, has_slo and the latency columns). Only classes with an SLO count."""
+    ok, cancelled, slo_met, has_slo and the latency columns). Only classes with an SLO count.
+    ``slo``: by class, ``SLO``s or the config's ``[slo.*]`` tables as run.json keeps them."""
+    slo = slo_map(slo)
     rng = np.random.default_rng(seed)
     judged = frame[frame["has_slo"].to_numpy(bool)] if len(frame) else frame
     if "t_scheduled" in judged.columns and len(judged):  # arrival order (effective_n)
@@ -393,15 +394,15 @@ def crossing(lo: float, hi: float, at_lo: dict, at_hi: dict, target: float = TAR
     return float(min(max(out, lo), hi))
 
 
-def level(stage: dict) -> float | None:
+def level(stage: StageEntry) -> float | None:
     """What a probe (a run.json stage) was run at: its offered rate, or its number of users
     for a closed-loop probe."""
-    if stage.get("rate_rps") is None and stage.get("users") is not None:
-        return stage["users"]
-    return stage.get("rate_rps")
+    if stage.rate_rps is None and stage.users is not None:
+        return stage.users
+    return stage.rate_rps
 
 
-def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
+def summarise(stages: list[StageEntry], frame: pd.DataFrame, slo: dict,
               **kw) -> list[Capacity]:
     """One ``Capacity`` per searched endpoint x workload: from run.json's stages (their
     ``search`` notes: rate and verdict each probe got, the target it was judged against) and
@@ -411,24 +412,24 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
     search's levels are numbers of users: its capacity is the whole number of users at the
     crossing (at least the highest passing one), in ``Capacity.unit`` "users"."""
     out = []
-    searched = [s for s in stages if s.get("search")]
-    keys = sorted({(s.get("endpoint"), s.get("workload")) for s in searched})
+    searched = [s for s in stages if s.search is not None]
+    keys = sorted({(s.endpoint, s.workload) for s in searched})
     for ep, wl in keys:
-        probes = [s for s in searched if (s.get("endpoint"), s.get("workload")) == (ep, wl)]
+        probes = [s for s in searched if (s.endpoint, s.workload) == (ep, wl)]
         kw_ep = dict(kw)
         for key in ("target", "confidence"):  # the search's own, where its notes say it
-            v = next((p["search"][key] for p in probes if p["search"].get(key)), None)
+            v = next((getattr(p.search, key) for p in probes if getattr(p.search, key)), None)
             if v is not None and key not in kw:
                 kw_ep[key] = float(v)
         sub = frame[(frame["endpoint"].astype(str) == ep) & (frame["workload"].astype(str) == wl)]
-        closed = any(s.get("rate_rps") is None and s.get("users") is not None for s in probes)
+        closed = any(s.rate_rps is None and s.users is not None for s in probes)
         # a rate's settled verdict is its last probe's (a refinement or confirmation pools
         # the earlier probes at that rate): a pass refuted by its confirmation is a failure
         settled, shown = {}, {}
-        for s in sorted(probes, key=lambda s: s["index"]):
-            if s["search"].get("verdict") in ("pass", "fail"):
-                settled[level(s)] = s["search"]["verdict"]
-                shown[level(s)] = not s["search"].get("estimate")
+        for s in sorted(probes, key=lambda s: s.index):
+            if s.search.verdict in ("pass", "fail"):
+                settled[level(s)] = s.search.verdict
+                shown[level(s)] = not s.search.estimate
         passes = [r for r, v in settled.items() if v == "pass"]
         fails = [r for r, v in settled.items() if v == "fail"]
         cap = max(passes) if passes else None
@@ -437,13 +438,13 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
         shown_passes = [r for r in passes if shown[r]]
         low = max(shown_passes) if shown_passes else None
         high = min((r for r in fails if shown[r] and (low is None or r > low)), default=None)
-        notes = {s["search"].get("stop") for s in probes if s["search"].get("stop")}
+        notes = {s.search.stop for s in probes if s.search.stop}
         status = ("no pass" if cap is None else "no failure" if fail is None else "bracketed")
         if "budget" in notes:
             status += " (budget)"
         breaks = None
         if fail is not None:
-            idx = [s["index"] for s in probes if level(s) == fail]
+            idx = [s.index for s in probes if level(s) == fail]
             rows = sub[np.isin(sub["stage"], idx)]
             v = probe_verdict(rows, slo, **kw_ep)
             w = next((c for c in v.classes if c.verdict == "fail"), v.worst)
@@ -463,7 +464,7 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
                           "rate_rps": fail, "misses": w.misses}
         at = None
         if cap is not None:
-            idx = [s["index"] for s in probes if level(s) == cap]
+            idx = [s.index for s in probes if level(s) == cap]
             rows = sub[np.isin(sub["stage"], idx)]
             v = probe_verdict(rows, slo, **kw_ep)
             wall = sum(_ran_s(s) for s in probes if level(s) == cap)
@@ -479,12 +480,11 @@ def summarise(stages: list[dict], frame: pd.DataFrame, slo: dict,
                   "achieved_rps": (int(rows["ok"].sum()) / wall if wall > 0 else math.nan),
                   "output_tokens_per_request": (out_tok / max(1, int(rows["ok"].sum()))),
                   # its pass is the pooled estimate's, the interval straddling the target
-                  "estimate": any(s["search"].get("estimate") for s in probes
-                                  if level(s) == cap)}
+                  "estimate": any(s.search.estimate for s in probes if level(s) == cap)}
         estimate = cap
         if cap is not None and fail is not None:
             def pooled(rate):
-                idx = [s["index"] for s in probes if level(s) == rate]
+                idx = [s.index for s in probes if level(s) == rate]
                 return class_attainment(sub[np.isin(sub["stage"], idx)])
 
             estimate = crossing(cap, fail, pooled(cap), pooled(fail),
@@ -518,13 +518,12 @@ def capacity_text(cap: Capacity, fmt, unit: bool = False) -> str:
     return text
 
 
-def _ran_s(stage: dict) -> float:
+def _ran_s(stage: StageEntry) -> float:
     """The seconds a probe really sent load: from its start to its end (a cut or an early
     pass ends it before its planned ``duration_s``)."""
-    try:
-        return max(0.0, (int(stage["t_end_ns"]) - int(stage["t_start_ns"])) / 1e9)
-    except (KeyError, TypeError, ValueError):
-        return float(stage.get("duration_s") or 0)
+    if stage.t_end_ns is None or stage.t_start_ns is None:
+        return float(stage.duration_s or 0)
+    return max(0.0, (int(stage.t_end_ns) - int(stage.t_start_ns)) / 1e9)
 
 
 def per_gpu_and_cost(cap: Capacity, gpus: int | None, gpu_hour_cost: float | None) -> dict:

@@ -14,6 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbench.core.contract import SLO, EndpointEntry, StageEntry, slo_map
 from kvbench.core.errors import DataError
 from kvbench.core.store import RunMeta, align_worker_clocks, read_meta, read_table, scan
 from kvbench.reports.frame import FRAME_COLUMNS, GapStore, concat, request_frame
@@ -93,9 +94,10 @@ class ReportData:
     paths: list[Path]
     gpu: pa.Table
     engine: pa.Table
-    slo: dict[str, dict]  # class -> {ttft_ms, tpot_ms, e2e_ms}
-    endpoints: dict[str, dict] = field(default_factory=dict)  # label -> run.json endpoint entry
-    stages: list[dict] = field(default_factory=list)  # run.json stages, endpoint = label
+    slo: dict[str, SLO]  # by request class
+    endpoints: dict[str, EndpointEntry] = field(default_factory=dict)  # by label
+    endpoint_runs: dict[str, str] = field(default_factory=dict)  # label -> run_id it ran in
+    stages: list[StageEntry] = field(default_factory=list)  # run.json stages, endpoint = label
     workloads: dict[str, dict] = field(default_factory=dict)  # name -> describe() dict
     # per endpoint and workload: describe() of the requests actually sent (run.json
     # workloads_sent), as rows {endpoint, workload, **describe}
@@ -106,21 +108,23 @@ class ReportData:
         return [str(c) for c in self.frame["endpoint"].cat.categories
                 if (self.frame["endpoint"] == c).any()]
 
+    def endpoint(self, ep: str) -> EndpointEntry:
+        """Endpoint label ``ep``'s run.json entry; a blank one (every field unknown) where its
+        run did not record it."""
+        return self.endpoints.get(ep) or EndpointEntry(name=ep)
+
     def declared_hardware(self, ep: str) -> bool:
         """True when the config declares endpoint ``ep``'s hardware: a built-in endpoint
         (run.json ``kind == "builtin"``), whose constants the cost model describes; a real
         server (``openai``) runs on hardware kvbench does not know."""
-        return (self.endpoints.get(ep) or {}).get("kind") == "builtin"
+        return self.endpoint(ep).kind == "builtin"
 
 
-def _slo_dict(slo: Mapping) -> dict[str, dict]:
-    out = {}
-    for cls, cfg in (slo or {}).items():
-        if hasattr(cfg, "model_dump"):
-            cfg = cfg.model_dump()
-        out[str(cls)] = {k: cfg.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms")
-                         if cfg.get(k) is not None}
-    return out
+def _slo(slo: Mapping) -> dict[str, SLO]:
+    """``{class: SLO}`` of the SLOs given: contract ``SLO``s, or bench.toml's validated
+    ``[slo.*]`` models (``--slo-config``)."""
+    return slo_map({cls: cfg.model_dump() if hasattr(cfg, "model_dump") else cfg
+                    for cls, cfg in (slo or {}).items()})
 
 
 def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
@@ -139,10 +143,11 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
         for r in results:
             merged.update(r.meta.slo)
         slo = merged
-    slo_d = _slo_dict(slo)
+    slo_d = _slo(slo)
     frames, gpus, engines = [], [], []
-    endpoints: dict[str, dict] = {}
-    stages: list[dict] = []
+    endpoints: dict[str, EndpointEntry] = {}
+    endpoint_runs: dict[str, str] = {}
+    stages: list[StageEntry] = []
     workloads: dict[str, dict] = {}
     sent: list[dict] = []
     for r in results:
@@ -151,15 +156,13 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
         def label(name: str, run_id=run_id) -> str:
             return name if names.get(name, 0) <= 1 else f"{name}@{run_id}"
 
-        run_stages = [dict(s) for s in r.meta.stages]
-        frames.append(request_frame(r.requests, stages=run_stages, slo=slo_d,
+        frames.append(request_frame(r.requests, stages=r.meta.stages, slo=slo_d,
                                     endpoint_label=label, gaps=r.gaps))
-        for s in run_stages:
-            s["endpoint"] = label(str(s.get("endpoint")))
-            stages.append(s)
+        stages.extend(s.replace(endpoint=label(str(s.endpoint))) for s in r.meta.stages)
         for ep in r.meta.endpoints:
-            if isinstance(ep, dict) and "name" in ep:
-                endpoints[label(str(ep["name"]))] = {**ep, "run_id": run_id}
+            if ep.name:
+                endpoints[label(ep.name)] = ep
+                endpoint_runs[label(ep.name)] = run_id
         for wname, desc in r.meta.workloads.items():
             if isinstance(desc, dict):
                 workloads.setdefault(wname, desc)
@@ -173,7 +176,8 @@ def load(paths: Sequence[Path | str], slo: Mapping | None = None) -> ReportData:
     return ReportData(frame=frame, runs=[r.meta for r in results],
                       paths=[r.path for r in results], gpu=pa.concat_tables(gpus),
                       engine=pa.concat_tables(engines), slo=slo_d, endpoints=endpoints,
-                      stages=stages, workloads=workloads, workloads_sent=sent)
+                      endpoint_runs=endpoint_runs, stages=stages, workloads=workloads,
+                      workloads_sent=sent)
 
 
 def _relabel(t: pa.Table, label) -> pa.Table:

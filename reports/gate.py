@@ -82,9 +82,8 @@ def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFr
 def _schedule(meta: RunMeta, endpoint: str) -> tuple:
     """What fixes the arrivals an endpoint saw: seed, workloads and its stages' pacing."""
     cfg = meta.config
-    stages = sorted((str(s.get("workload")), int(s.get("index") or 0), s.get("pacing"),
-                     s.get("rate_rps"), s.get("duration_s"), s.get("users"))
-                    for s in meta.stages if s.get("endpoint") == endpoint)
+    stages = sorted((str(s.workload), int(s.index or 0), s.pacing, s.rate_rps, s.duration_s,
+                     s.users) for s in meta.stages if s.endpoint == endpoint)
     # every workload table: a mix's components live under their own names
     wl = cfg.get("workloads") or {}
     return ((cfg.get("suite") or {}).get("seed"), repr(sorted(wl.items())), tuple(stages))

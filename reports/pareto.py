@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from kvbench.core.contract import EndpointEntry, StageEntry
 from kvbench.reports.frame import achieved_s
 
 KNEE_FRACTION = 0.8  # the knee: the most throughput while users keep 80% of their best speed
@@ -47,11 +48,10 @@ DEFINITIONS = {
 }
 
 
-def gpus_of(entry: Mapping | None) -> tuple[int, bool]:
+def gpus_of(entry: EndpointEntry) -> tuple[int, bool]:
     """(GPUs, known) of a run.json endpoint entry: 1 and False when it does not say."""
-    g = (entry or {}).get("gpus")
     try:
-        n = int(g)
+        n = int(entry.gpus)
     except (TypeError, ValueError):
         return 1, False
     return (n, True) if n > 0 else (1, False)
@@ -84,8 +84,8 @@ def per_user_tps(frame: pd.DataFrame) -> float:
     return float(np.median(1000.0 / tpot)) if len(tpot) else math.nan
 
 
-def stage_points(frame: pd.DataFrame, endpoints: Mapping[str, Mapping],
-                 stages: Sequence[Mapping] = ()) -> pd.DataFrame:
+def stage_points(frame: pd.DataFrame, endpoints: Mapping[str, EndpointEntry],
+                 stages: Sequence[StageEntry] = ()) -> pd.DataFrame:
     """One row per (endpoint, workload, stage): GPUs, price, output tokens, achieved interval,
     output tokens/s (total and per GPU), per-user tokens/s, $ / M output tokens, and the
     stage's planned load (``rate_rps`` or ``users`` from run.json stages, when given)."""
@@ -94,36 +94,35 @@ def stage_points(frame: pd.DataFrame, endpoints: Mapping[str, Mapping],
             "tps_per_gpu", "per_user_tps", "cost_per_m", "rate_rps", "users"]
     if not len(frame):
         return pd.DataFrame(columns=cols)
-    plan = {(str(s.get("endpoint")), str(s.get("workload")), int(s.get("index", -1))): s
-            for s in stages}
+    plan = {(str(s.endpoint), str(s.workload), int(s.index)): s for s in stages}
     lean = frame[["endpoint", "workload", "stage", "ok", "completion_tokens", "tpot_ms",
                   "stage_key", "stage_achieved_s"]]
     rows = []
     for (ep, wl, st), sub in lean.groupby(["endpoint", "workload", "stage"], observed=True,
                                           sort=True):
-        entry = endpoints.get(str(ep)) or {}
+        entry = endpoints.get(str(ep)) or EndpointEntry(name=str(ep))
         gpus, known = gpus_of(entry)
-        price = entry.get("gpu_hour_cost")
+        price = entry.gpu_hour_cost
         tps = output_tps(sub)
-        s = plan.get((str(ep), str(wl), int(st)), {})
+        s = plan.get((str(ep), str(wl), int(st))) or StageEntry()
         rows.append({"endpoint": str(ep), "workload": str(wl), "stage": int(st), "gpus": gpus,
                      "gpus_known": known, "gpu_hour_cost": price,
-                     "example_price": price is not None and entry.get("kind") == "builtin",
+                     "example_price": price is not None and entry.kind == "builtin",
                      "requests": len(sub), "output_tokens": output_tokens(sub),
                      "achieved_s": achieved_s(sub), "output_tps": tps,
                      "tps_per_gpu": tps / gpus, "per_user_tps": per_user_tps(sub),
                      "cost_per_m": cost_per_m(gpus, price, tps),
-                     "rate_rps": s.get("rate_rps"), "users": s.get("users")})
+                     "rate_rps": s.rate_rps, "users": s.users})
     return pd.DataFrame(rows, columns=cols)
 
 
-def endpoint_figures(frame: pd.DataFrame, entry: Mapping | None) -> dict:
+def endpoint_figures(frame: pd.DataFrame, entry: EndpointEntry) -> dict:
     """Over all of an endpoint's rows: output tokens/s, per GPU, and $ / M output tokens."""
     gpus, known = gpus_of(entry)
-    price = (entry or {}).get("gpu_hour_cost")
+    price = entry.gpu_hour_cost
     tps = output_tps(frame)
     return {"gpus": gpus, "gpus_known": known, "gpu_hour_cost": price,
-            "example_price": price is not None and (entry or {}).get("kind") == "builtin",
+            "example_price": price is not None and entry.kind == "builtin",
             "output_tps": tps, "tps_per_gpu": tps / gpus,
             "cost_per_m": cost_per_m(gpus, price, tps)}
 

@@ -144,7 +144,7 @@ def _costmodel_overlay(fig: go.Figure, d: ReportData, f: pd.DataFrame) -> str:
     the requests of the endpoints whose hardware the config declares; returns the note."""
     eps = d.endpoint_names
     declared = [ep for ep in eps if d.declared_hardware(ep)]
-    others = [f"{ep} ({(d.endpoints.get(ep) or {}).get('kind') or 'kind not recorded'})"
+    others = [f"{ep} ({d.endpoint(ep).kind or 'kind not recorded'})"
               for ep in eps if ep not in declared]
     skipped = (f"not drawn for {', '.join(others)}: hardware not declared in the config (the "
                "cost model describes the built-in endpoints' reference stack, not a real "

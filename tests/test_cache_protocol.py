@@ -251,32 +251,34 @@ def test_run_reset_then_warm_then_as_is(tmp_path):
 def test_verify_diagnoses_disagreement():
     import pandas as pd
 
+    from kvbench.core.contract import CacheState, CacheTheory
+
     frame = pd.DataFrame({"endpoint": pd.Categorical(["e"] * 50), "workload": ["w"] * 50,
                           "t_sent_ns": [10] * 50, "cancelled": [False] * 50,
                           "prompt_tokens": [100.0] * 50, "cached_tokens": [80.0] * 50})
-    entry = {"endpoint": "e", "workload": "w", "engine": "vllm", "t_start_ns": 0,
-             "t_end_ns": 20, "started_from": "as-is: not reset",
-             "counters_before": {"hits": 0, "queries": 0, "prompt": 0},
-             "counters_after": {"hits": 4000, "queries": 5000, "prompt": 5000},
-             "theoretical": {"hit_ratio_unbounded": 0.5, "block_tokens": 16}}
+    entry = CacheState(endpoint="e", workload="w", engine="vllm", t_start_ns=0, t_end_ns=20,
+                       started_from="as-is: not reset",
+                       counters_before={"hits": 0, "queries": 0, "prompt": 0},
+                       counters_after={"hits": 4000, "queries": 5000, "prompt": 5000},
+                       theoretical=CacheTheory(hit_ratio_unbounded=0.5, block_tokens=16))
     r = verify(entry, frame)
     assert r["records_ratio"] == r["engine_ratio"] == 0.8 and r["findings"][0].startswith(
         "measured hit ratio 80.0% is 30.0% above the theoretical 50.0%")
     (finding,) = as_findings([r, {**r, "findings": []}])  # one per disagreeing job
     assert finding.rule == "cache_verify" and "30.0% above" in finding.cause
     assert ("theoretical (requests sent)", "50.0%") in finding.evidence
-    entry["counters_after"]["hits"] = 4500
+    entry.counters_after["hits"] = 4500
     r = verify(entry, frame)
     assert any("another client" in x for x in r["findings"])
     # prompt and completion tokens against the engine's own counters, to the token
-    entry["counters_after"].update(hits=4000, generation=400)
-    entry["counters_before"]["generation"] = 0
+    entry.counters_after.update(hits=4000, generation=400)
+    entry.counters_before["generation"] = 0
     frame["completion_tokens"] = 8.0
     r = verify(entry, frame)
     assert (r["records_prompt"], r["records_completion"]) == (5000, 400) == (
         r["engine_prompt"], r["engine_generation"])
     assert not [x for x in r["findings"] if "tokens" in x], r["findings"]
-    entry["counters_after"].update(prompt=5100, generation=410)
+    entry.counters_after.update(prompt=5100, generation=410)
     found = [x for x in verify(entry, frame)["findings"] if "tokens" in x]
     assert found == ["records' prompt tokens 5,000 vs the engine's prompt-token counter 5,100 "
                      "(-100): another client used the endpoint during the job",

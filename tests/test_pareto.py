@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from browser import browser_or_skip, offline_page
 from kvbench.cli import main
+from kvbench.core.contract import EndpointEntry
 from kvbench.reports import pareto as P
 from kvbench.reports.data import load
 from kvbench.reports.render import build_context
@@ -41,7 +42,7 @@ def test_cost_and_per_gpu_by_hand():
         # stage 1: 1,200 tokens over 5 s
         ("pd", 1, True, 1200.0, 100.0, 5.0),
     ])
-    eps = {"pd": {"gpus": 2, "gpu_hour_cost": 3.0, "kind": "builtin"}}
+    eps = {"pd": EndpointEntry(name="pd", gpus=2, gpu_hour_cost=3.0, kind="builtin")}
     pts = P.stage_points(f, eps)
     s0, s1 = pts.iloc[0], pts.iloc[1]
     assert s0["output_tps"] == pytest.approx(60.0)  # 600 tokens / 10 s
@@ -58,7 +59,7 @@ def test_cost_and_per_gpu_by_hand():
     assert whole["tps_per_gpu"] == pytest.approx(60.0)
     assert whole["cost_per_m"] == pytest.approx(6.0 / 3600 / 120 * 1e6)
     # no price, no cost; no GPU count recorded: counted as 1 and said so
-    bare = P.endpoint_figures(f, {"kind": "openai"})
+    bare = P.endpoint_figures(f, EndpointEntry(name="pd", kind="openai"))
     assert math.isnan(bare["cost_per_m"]) and bare["tps_per_gpu"] == pytest.approx(120.0)
     assert not bare["gpus_known"] and not bare["example_price"]
 

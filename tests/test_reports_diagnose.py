@@ -343,7 +343,8 @@ def test_loadgen_not_blamed_for_lateness_spent_connecting_to_the_endpoint(tmp_pa
 # a stalled load process (loop-lag monitor in run.json) -------------------------------------
 
 def test_loop_pause_is_shown_beside_lateness_and_blamed_on_the_load_process(tmp_path):
-    from kvbench.reports.render import LOOP_PAUSE, build_context
+    from kvbench.reports.render import build_context
+    from kvbench.reports.tables import LOOP_PAUSE
 
     shape = RunShape(endpoints=[EndpointShape("colo")])
     table, stages = synth_table(shape)

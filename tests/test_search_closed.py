@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.config import load_config
+from kvbench.core.contract import StageEntry
 from kvbench.core.errors import UserError
 from kvbench.core.store import load_results
 from kvbench.loadgen.pacing import ClosedLoopStages, StagePlan
@@ -31,6 +32,11 @@ SPEC = {"loop": "closed", "start_users": 1, "max_users": 1024, "growth": 2.0, "t
         "confidence": 0.95, "probe_s": 10.0, "min_requests": 30, "max_probe_s": 60.0,
         "min_class_requests": 5, "refine": 1, "precision": 0.1, "budget_s": 100_000.0,
         "settle_s": 10.0, "confirm": True}
+
+
+def typed(stages: list[dict]) -> list[StageEntry]:
+    """Stages written as run.json holds them, as the contract's entries."""
+    return [StageEntry.from_dict(s) for s in stages]
 
 
 # --------------------------------------------------------------------------- the plan
@@ -214,7 +220,7 @@ def test_summarise_counts_users_for_a_closed_loop_search():
                "search": {"role": role, "verdict": v}}
               for i, (n, role, v) in enumerate([(8, "ramp", "pass"), (12, "bisect", "pass"),
                                                 (16, "ramp", "fail")])]
-    (cap,) = C.summarise(stages, f, {"chat": {"ttft_ms": 500}})
+    (cap,) = C.summarise(typed(stages), f, {"chat": {"ttft_ms": 500}})
     assert cap.unit == "users" and (cap.capacity_rps, cap.fail_rps) == (12, 16)
     # 1.0 at 12 users, 0.75 at 16: 0.95 is crossed at 12.8, whole users: 12
     assert cap.estimate_rps == 12.0

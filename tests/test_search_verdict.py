@@ -10,6 +10,7 @@ import pandas as pd
 from hypothesis import given, settings, strategies as st
 
 from kvbench.config import load_config
+from kvbench.core.contract import StageEntry
 from kvbench.reports import capacity as C
 from kvbench.reports.resampling import proportion_interval
 from kvbench.core.contract import SearchSpec
@@ -21,6 +22,11 @@ SPEC = {"start_rps": 1.0, "growth": 2.0, "target": 0.95, "confidence": 0.95, "pr
         "min_requests": 30, "max_probe_s": 60.0, "min_class_requests": 5, "refine": 1,
         "precision": 0.1, "budget_s": 10_000.0, "max_rps": 10_000.0, "min_rps": 0.05,
         "settle_s": 10.0, "confirm": True}
+
+
+def typed(stages: list[dict]) -> list[StageEntry]:
+    """Stages written as run.json holds them, as the contract's entries."""
+    return [StageEntry.from_dict(s) for s in stages]
 
 
 def frame(rows):
@@ -260,7 +266,7 @@ def test_summarise_takes_a_rates_last_verdict():
                "duration_s": 5.0, "search": {"role": role, "verdict": v}}
               for i, (r, role, v) in enumerate([(4.0, "ramp", "pass"), (8.0, "bisect", "pass"),
                                                 (8.0, "confirm", "fail")])]
-    (cap,) = C.summarise(stages, f, SLO)
+    (cap,) = C.summarise(typed(stages), f, SLO)
     assert (cap.capacity_rps, cap.fail_rps) == (4.0, 8.0)
 
 
@@ -277,12 +283,12 @@ def test_the_shown_interval_leaves_rates_settled_on_their_estimates_inside():
                "duration_s": 5.0, "search": {"role": "bisect", "verdict": v,
                                              **({"estimate": True} if est else {})}}
               for i, (r, v, est) in enumerate(plan)]
-    (cap,) = C.summarise(stages, f, SLO)
+    (cap,) = C.summarise(typed(stages), f, SLO)
     assert (cap.capacity_rps, cap.fail_rps) == (6.0, 7.0)
     assert (cap.low_rps, cap.high_rps) == (4.0, 8.0) and cap.interval_text == "4 – 8"
     shown = [dict(s, search={k: v for k, v in s["search"].items() if k != "estimate"})
              for s in stages]
-    (cap,) = C.summarise(shown, f, SLO)
+    (cap,) = C.summarise(typed(shown), f, SLO)
     assert (cap.low_rps, cap.high_rps) == (cap.capacity_rps, cap.fail_rps) == (6.0, 7.0)
 
 
@@ -314,7 +320,7 @@ def test_summarise_reads_bracket_and_breaking_class_from_stages():
                "duration_s": 10.0, "search": {"role": "ramp", "verdict": "pass"}},
               {"endpoint": "ep", "workload": "mix", "index": 1, "rate_rps": 8.0,
                "duration_s": 10.0, "search": {"role": "ramp", "verdict": "fail"}}]
-    (cap,) = C.summarise(stages, f, SLO)
+    (cap,) = C.summarise(typed(stages), f, SLO)
     assert (cap.capacity_rps, cap.fail_rps, cap.status) == (4.0, 8.0, "bracketed")
     assert cap.breaks["class"] == "chat" and cap.breaks["missed"] == "TPOT"
     assert cap.at_capacity["output_tps"] == 800.0  # 80 answers x 100 tokens over 10 s
@@ -341,16 +347,16 @@ def test_the_capacity_is_where_the_attainment_crosses_the_target_inside_the_brac
     stages = [{"endpoint": "ep", "workload": "mix", "index": i, "rate_rps": r,
                "duration_s": 10.0, "search": {"role": role, "verdict": v, "target": 0.95}}
               for i, (r, role, v) in enumerate(plan)]
-    (cap,) = C.summarise(stages, f, SLO)
+    (cap,) = C.summarise(typed(stages), f, SLO)
     assert (cap.capacity_rps, cap.fail_rps) == (10.0, 11.0)
     # 0.985 at 10 req/s, 0.89 at 11: 0.95 is crossed 0.035 / 0.095 of the way
     assert math.isclose(cap.estimate_rps, 10.0 + 0.035 / 0.095)
     # judged against the search's own target (its notes): 0.9 is crossed further up
     lax = [dict(s, search=dict(s["search"], target=0.9)) for s in stages]
-    (cap,) = C.summarise(lax, f, SLO)
+    (cap,) = C.summarise(typed(lax), f, SLO)
     assert math.isclose(cap.estimate_rps, 10.0 + 0.085 / 0.095)
     # nothing failed: the highest pass is all the search can say (a lower bound)
-    (cap,) = C.summarise(stages[:2], f, SLO)
+    (cap,) = C.summarise(typed(stages[:2]), f, SLO)
     assert cap.fail_rps is None and cap.estimate_rps == 10.0
 
 
@@ -392,7 +398,7 @@ def test_the_class_that_broke_is_the_one_whose_answers_missed_not_the_cut_stragg
     stages = [{"endpoint": "ep", "workload": "mix", "index": i, "rate_rps": r,
                "duration_s": 10.0, "search": {"role": "ramp", "verdict": v}}
               for i, (r, v) in enumerate([(4.0, "pass"), (8.0, "fail")])]
-    (cap,) = C.summarise(stages, f, SLO)
+    (cap,) = C.summarise(typed(stages), f, SLO)
     assert cap.breaks["class"] == "chat" and cap.breaks["missed"] == "TTFT"
 
 
