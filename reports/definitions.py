@@ -137,7 +137,7 @@ class Gaps(Expr):
     def sql(self, limits) -> str:
         x = self.lists.sql(limits)
         return (f"(CASE WHEN {self.keep.sql(limits)} THEN list_transform(range(1, "
-                f"coalesce(len({x}), 0)), i -> {x}[i + 1] - {x}[i]) ELSE [] END)")
+                f"coalesce(len({x}), 0)), lambda i: {x}[i + 1] - {x}[i]) ELSE [] END)")
 
 
 def _call(op: str) -> Callable[..., Call]:
