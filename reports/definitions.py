@@ -280,11 +280,11 @@ def column(values: list, kind: str) -> Vec | Lists:
         return Vec(np.array([v if v is not None else 0 for v in values], np.int64), valid)
 
 
-def evaluate(names: Sequence[str], columns: Mapping, slo=None, n: int | None = None
-             ) -> dict[str, Vec | Lists]:
+def evaluate(names: Sequence[str], columns: Mapping, slo=None, n: int | None = None,
+             gaps_as: tuple | None = None) -> dict[str, Vec | Lists]:
     """Definitions ``names`` over ``columns`` (``{name: list}`` as the record sink hands a
     batch over, or ``{name: Vec | Lists}``); flags come back as plain bool arrays (valid
-    everywhere)."""
+    everywhere). ``gaps_as``: (convert, dtype) of the ns gaps (``gaps``)."""
     limits = slo_limits(slo)
     cache: dict[str, Vec | Lists] = {}
     if n is None:
@@ -304,7 +304,7 @@ def evaluate(names: Sequence[str], columns: Mapping, slo=None, n: int | None = N
     def ev(e: Expr) -> Vec | Lists:
         got = memo.get(id(e))
         if got is None:
-            got = memo[id(e)] = _np(e, ev, col, limits, n)
+            got = memo[id(e)] = _np(e, ev, col, limits, n, gaps_as or (None, np.int64))
         return got
 
     out = {}
@@ -323,7 +323,7 @@ def floats(v: Vec) -> np.ndarray:
     return np.where(v.valid, np.asarray(v.data, np.float64), np.nan)
 
 
-def _np(e: Expr, ev, col, limits, n) -> Vec | Lists:
+def _np(e: Expr, ev, col, limits, n, gaps_as) -> Vec | Lists:
     if isinstance(e, Col):
         return col(e.name)
     if isinstance(e, Lit):
@@ -337,7 +337,8 @@ def _np(e: Expr, ev, col, limits, n) -> Vec | Lists:
         return Vec(data, ~np.isnan(data))
     if isinstance(e, Gaps):
         lists, keep = ev(e.lists), ev(e.keep)
-        return gaps(lists.values, lists.offsets, np.broadcast_to(keep.data & keep.valid, (n,)))
+        return gaps(lists.values, lists.offsets, np.broadcast_to(keep.data & keep.valid, (n,)),
+                    *gaps_as)
     a = [ev(x) for x in e.args]
     with np.errstate(all="ignore"):
         return _NP[e.op](*a)
