@@ -195,8 +195,6 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     cols["stage_achieved_s"] = achieved
     cols["stage_offered_s"] = offered
     cols["stage_started_s"] = started
-    for name in ("finished", "error", "judged", "met", "hit_counted"):
-        cols[name] = d[name].data
     if gaps is None:
         gaps = GapStore.itl(table)
     if len(gaps) != n:
@@ -301,6 +299,40 @@ def itl_values(frame: pd.DataFrame) -> np.ndarray:
         raise ValueError("frame has no ITL gap store; build it with reports.frame."
                          "request_frame (and concatenate frames with reports.frame.concat)")
     return store.gather(frame["itl_row"].to_numpy())
+
+
+class _Held(Mapping):
+    """A frame's columns as ``definitions.evaluate`` takes them: the definitions it holds
+    (``_DEFINED`` of the same names) and the record columns it keeps as they were."""
+
+    RECORD = ("cached_tokens",)
+
+    def __init__(self, frame: pd.DataFrame):
+        self.frame = frame
+
+    def __getitem__(self, name: str) -> D.Vec:
+        if name not in self:
+            raise KeyError(name)
+        if name in D.FLAGS:
+            return D.Vec(self.frame[name].to_numpy(bool), True)
+        a = self.frame[name].to_numpy(np.float64)
+        return D.Vec(a, ~np.isnan(a))
+
+    def __contains__(self, name) -> bool:
+        return (name in _DEFINED or name in self.RECORD) and name in self.frame.columns
+
+    def __iter__(self):
+        return (c for c in self.frame.columns if c in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def defined(frame: pd.DataFrame, name: str) -> np.ndarray:
+    """Definition ``name`` (``reports.definitions``) over a frame's rows, evaluated from the
+    definitions it holds (``error`` from ``ok`` and ``cancelled``, ...)."""
+    held = _Held(frame)
+    return D.evaluate([name], held, n=len(frame), known=held)[name].data
 
 
 def wall_s(frame: pd.DataFrame, column: str = "stage_wall_s") -> float:
