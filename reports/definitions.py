@@ -40,7 +40,7 @@ OK = coalesce(eq(Col("status"), "ok"), False)
 # cut by the run's own stop (or a search cutting a probe): neither a success nor an error
 CANCELLED = coalesce(eq(Col("status"), "cancelled"), False)
 FINISHED = not_(CANCELLED)
-ERROR = and_(FINISHED, not_(OK))  # errors count as misses, cancelled requests are neither
+FAILED = and_(FINISHED, not_(OK))  # errors count as misses, cancelled requests are neither
 # token counts: the server's usage, the client's count where the server gave none
 PROMPT = coalesce(Col("prompt_tokens"), Col("prompt_tokens_client"))
 COMPLETION = coalesce(Col("completion_tokens"), Col("completion_tokens_client"))
@@ -60,13 +60,13 @@ ITL_GAPS_NS = Gaps(Col("chunk_offsets_ns"), OK)
 
 # name -> definition; the request frame's columns of the same names are these
 DEFINITIONS: dict[str, Expr] = {
-    "ok": OK, "cancelled": CANCELLED, "finished": FINISHED, "error": ERROR,
+    "ok": OK, "cancelled": CANCELLED, "finished": FINISHED, "failed": FAILED,
     "prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "ttft_ms": TTFT_MS,
     "tpot_ms": TPOT_MS, "e2e_ms": E2E_MS, "lateness_ms": LATENESS_MS, "has_slo": HAS_SLO,
     "slo_met": SLO_MET, "judged": JUDGED, "met": MET, "hit_counted": HIT_COUNTED,
     "itl_gaps_ns": ITL_GAPS_NS}
-FLAGS = frozenset({"ok", "cancelled", "finished", "error", "has_slo", "slo_met", "judged", "met",
-                   "hit_counted"})
+FLAGS = frozenset({"ok", "cancelled", "finished", "failed", "has_slo", "slo_met", "judged",
+                   "met", "hit_counted"})
 
 # the record's columns the definitions read, and how they hold their values
 INPUTS = {"status": "str", "request_class": "str", "t_scheduled": "int", "t_sent": "int",
@@ -153,7 +153,7 @@ def evaluate(names: Sequence[str], columns: Mapping, slo=None, n: int | None = N
         first = next(iter(columns.values()))
         n = len(first.valid) if isinstance(first, (Vec, Lists)) else len(first)
     return X.evaluate({k: DEFINITIONS[k] for k in names}, columns, INPUTS, column,
-                      slo_limits(slo), n, FLAGS, gaps_as, known)
+                      slo_limits(slo), n, FLAGS, gaps_as, known, DEFINITIONS)
 
 
 def from_arrow(table, names: Sequence[str]) -> dict[str, Vec | Lists]:

@@ -158,15 +158,16 @@ NULL = Lit(None)
 
 def evaluate(exprs: Mapping[str, Expr], columns: Mapping, kinds: Mapping[str, str],
              convert: Callable, limits: Mapping[str, Mapping[str, float]], n: int,
-             flags=frozenset(), gaps_as: tuple | None = None, known: Mapping | None = None
-             ) -> dict[str, Vec | Lists]:
+             flags=frozenset(), gaps_as: tuple | None = None, known: Mapping | None = None,
+             named: Mapping[str, Expr] | None = None) -> dict[str, Vec | Lists]:
     """``{name: expression}`` over ``columns`` (``{name: Vec | Lists}``, or values
     ``convert(values, kinds[name])`` turns into one); ``flags`` come back as plain bool arrays
     (null as false).
-    ``gaps_as``: (convert, dtype) of ``Gaps``; ``known``: values of some of the named
-    expressions already evaluated, taken as they are where another expression reads them."""
+    ``gaps_as``: (convert, dtype) of ``Gaps``; ``known``: values of some expressions of
+    ``named`` (default ``exprs``) already evaluated, by name, taken as they are where another
+    expression reads them."""
     cache: dict[str, Vec | Lists] = {}
-    names = {id(e): k for k, e in exprs.items()}
+    names = {id(e): k for k, e in (named or exprs).items()}
 
     def col(name: str) -> Vec | Lists:
         got = cache.get(name)

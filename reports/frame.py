@@ -330,7 +330,7 @@ class _Held(Mapping):
 
 def defined(frame: pd.DataFrame, name: str) -> np.ndarray:
     """Definition ``name`` (``reports.definitions``) over a frame's rows, evaluated from the
-    definitions it holds (``error`` from ``ok`` and ``cancelled``, ...)."""
+    definitions it holds (``failed`` from ``ok`` and ``cancelled``, ...)."""
     held = _Held(frame)
     return D.evaluate([name], held, n=len(frame), known=held)[name].data
 

@@ -90,7 +90,7 @@ def test_definitions_say_what_design_says():
     v = {k: a.to_pylist() for k, a in got.items()}
     assert v["tpot_ms"][0] is None and v["slo_met"] == [True, False, False]  # one token
     assert v["lateness_ms"][0] == 0.0015  # epoch ns subtracted exactly
-    assert v["error"] == [False, True, False] and v["judged"] == [True, True, False]
+    assert v["failed"] == [False, True, False] and v["judged"] == [True, True, False]
     assert v["prompt_tokens"][0] == 10 and v["hit_counted"] == [True, False, False]
     assert v["itl_gaps_ns"] == [[], [], []]  # gaps of successful requests only
 
