@@ -61,7 +61,8 @@ ITL_GAPS_NS = Gaps(Col("chunk_offsets_ns"), OK)
 # name -> definition; the request frame's columns of the same names are these
 DEFINITIONS: dict[str, Expr] = {
     "ok": OK, "cancelled": CANCELLED, "finished": FINISHED, "failed": FAILED,
-    "prompt_tokens": PROMPT, "completion_tokens": COMPLETION, "ttft_ms": TTFT_MS,
+    "prompt_tokens": PROMPT, "completion_tokens": COMPLETION,
+    "cached_tokens": Col("cached_tokens"), "ttft_ms": TTFT_MS,
     "tpot_ms": TPOT_MS, "e2e_ms": E2E_MS, "lateness_ms": LATENESS_MS, "has_slo": HAS_SLO,
     "slo_met": SLO_MET, "judged": JUDGED, "met": MET, "hit_counted": HIT_COUNTED,
     "itl_gaps_ns": ITL_GAPS_NS}

@@ -172,7 +172,7 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
         "http_status": _f64(table, "http_status"),
         "prompt_tokens": D.floats(d["prompt_tokens"]),
         "completion_tokens": D.floats(d["completion_tokens"]),
-        "cached_tokens": _f64(table, "cached_tokens"),
+        "cached_tokens": D.floats(d["cached_tokens"]),
         "shared_prefix_tokens": _f64(table, "shared_prefix_tokens"),
         "t_scheduled_ns": t_sched,
         "t_sent_ns": t_sent,
@@ -303,9 +303,7 @@ def itl_values(frame: pd.DataFrame) -> np.ndarray:
 
 class _Held(Mapping):
     """A frame's columns as ``definitions.evaluate`` takes them: the definitions it holds
-    (``_DEFINED`` of the same names) and the record columns it keeps as they were."""
-
-    RECORD = ("cached_tokens",)
+    (``_DEFINED``, under the same names)."""
 
     def __init__(self, frame: pd.DataFrame):
         self.frame = frame
@@ -319,7 +317,7 @@ class _Held(Mapping):
         return D.Vec(a, ~np.isnan(a))
 
     def __contains__(self, name) -> bool:
-        return (name in _DEFINED or name in self.RECORD) and name in self.frame.columns
+        return name in _DEFINED and name in self.frame.columns
 
     def __iter__(self):
         return (c for c in self.frame.columns if c in self)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.core.schema import ENGINE
-from kvbench.core.store import ShardWriter
+from kvbench.core.store import ShardTail, ShardWriter
 from kvbench.loadgen import live
 from kvbench.reports import metrics as M
 from kvbench.runs import progress
@@ -132,8 +132,9 @@ def test_worker_message_round_trip_keeps_values_exactly():
 
 
 def test_shard_tail_reads_what_is_appended_and_waits_for_a_partial_batch(tmp_path):
+    """The store's tail, as the live view's telemetry reads the collectors' Arrow shards."""
     w = ShardWriter(tmp_path, "engine")
-    tail = live.ShardTail(w.path)
+    tail = ShardTail(tmp_path, "engine")
 
     def rows(t):
         return pa.RecordBatch.from_pylist(
@@ -141,17 +142,18 @@ def test_shard_tail_reads_what_is_appended_and_waits_for_a_partial_batch(tmp_pat
               "value": float(t)}], schema=ENGINE)
 
     w.write(rows(1))
-    assert [b.num_rows for b in tail.read()] == [1]
+    assert [b.num_rows for b in tail.new()] == [1]
     w.write(rows(2))
     w.write(rows(3))
     size = w.path.stat().st_size
     w.write(rows(4))
     full = w.path.read_bytes()
     w.path.write_bytes(full[:size + 20])  # a batch half written
-    assert [b.column("t_ns")[0].as_py() for b in tail.read()] == [2, 3]
+    assert [b.column("t_ns")[0].as_py() for b in tail.new()] == [2, 3]
     w.path.write_bytes(full)
-    assert [b.column("t_ns")[0].as_py() for b in tail.read()] == [4]
-    assert tail.read() == []
+    assert [b.column("t_ns")[0].as_py() for b in tail.new()] == [4]
+    assert tail.new() == []
+    assert tail.read().column("t_ns").to_pylist() == [1, 2, 3, 4]
 
 
 def test_telemetry_from_collector_shards(tmp_path):
