@@ -1,11 +1,14 @@
-"""The live view's exact quantile structures: numpy's linear quantiles of a sorted array or of
-an unsorted one (partitioned at the ranks they need), every value since the start kept sorted
-with new ones merged when a quantile is asked for, and exact counts of integer microseconds
-(ITL: tens of thousands of gaps a second, too many to sort at every refresh). Each is exact,
-not binned: ``tests/test_live.py`` holds them equal to ``numpy.quantile``."""
+"""What the live view keeps of one endpoint x request class (``KeyStats``: a sliding window
+and everything since the start), in exact quantile structures: numpy's linear quantiles of a
+sorted array or of an unsorted one (partitioned at the ranks they need), every value since the
+start kept sorted with new ones merged when a quantile is asked for, and exact counts of
+integer microseconds (ITL: tens of thousands of gaps a second, too many to sort at every
+refresh). Each is exact, not binned: ``tests/test_live.py`` holds them equal to
+``numpy.quantile``."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -158,3 +161,81 @@ def micro_quantiles(hists: list, qs=QS) -> list[float | None]:
         b = at(min(lo + 1, total - 1))
         out.append((a + (b - a) * (pos - lo)) / 1e3)  # us -> ms
     return out
+
+
+def _zeros() -> dict:
+    return {"done": 0, "ok": 0, "errors": 0, "cancelled": 0, "slo_judged": 0, "slo_met": 0,
+            "prompt_tokens": 0, "cached_tokens": 0}
+
+
+PER_REQUEST = ("ttft", "tpot", "lateness")
+SINCE_EVERY_S = 10.0  # since-start quantiles of a long run: recomputed this often (they move
+SINCE_CHEAP = 100_000  # slowly); below this many requests, at every summary (a cheap merge)
+
+
+class KeyStats:
+    """One endpoint x request class: window chunks and since-start values and counts. The
+    per-request metrics are kept as exact float ms; ITL as exact microsecond counts."""
+
+    def __init__(self) -> None:
+        self.window: collections.deque = collections.deque()  # (t_ns, arrays, counts)
+        self.since = {m: SinceStart() for m in PER_REQUEST}
+        self.itl_window = MicroHist()
+        self.itl_archive = MicroHist()  # what left the window: since start = both
+        self.counts = _zeros()
+        self._since_q: tuple[float, dict] | None = None
+
+    def add(self, t_ns: int, arrays: dict, counts: dict) -> None:
+        part = MicroHist.split(arrays["itl_us"])
+        self.window.append((t_ns, arrays, counts, part))
+        for m in PER_REQUEST:
+            self.since[m].add(arrays[m])
+        self.itl_window.add(part)
+        for k, v in counts.items():
+            self.counts[k] += v
+
+    def trim(self, now_ns: int, window_s: float) -> None:
+        edge = now_ns - int(window_s * 1e9)
+        while self.window and self.window[0][0] < edge:
+            part = self.window.popleft()[3]
+            self.itl_window.add(part, -1, into=self.itl_archive)
+            if len(part[1]):  # the rare ITL above BINS us: rebuilt from the window
+                self.itl_window.big = SinceStart()
+                for *_, p in self.window:
+                    self.itl_window.big.add(p[1])
+
+    def summary(self, window_s: float, now_ns: int, since_s: float) -> dict:
+        self.trim(now_ns, window_s)
+        win = _zeros()
+        vals = {m: [] for m in PER_REQUEST}
+        for _, arrays, counts, _us in self.window:
+            for k, v in counts.items():
+                win[k] += v
+            for m in PER_REQUEST:
+                vals[m].append(arrays[m])
+        span_s = min(window_s, since_s) if since_s > 0 else window_s
+        out = {"window": _figures(win, span_s), "since": _figures(self.counts, since_s)}
+        for m in PER_REQUEST:
+            w = np.concatenate(vals[m]) if vals[m] else np.empty(0)
+            out["window"][m] = quantiles_of(w)
+        out["window"]["itl"] = micro_quantiles([self.itl_window])
+        mono = now_ns / 1e9
+        small = len(self.since["ttft"]) < SINCE_CHEAP
+        if small or self._since_q is None or mono - self._since_q[0] >= SINCE_EVERY_S:
+            q = {m: self.since[m].quantiles() for m in PER_REQUEST}
+            q["itl"] = micro_quantiles([self.itl_window, self.itl_archive])
+            self._since_q = (mono, q)
+        out["since"].update(self._since_q[1], quantiles_age_s=mono - self._since_q[0])
+        return out
+
+
+def _figures(c: dict, span_s: float) -> dict:
+    """The figures of counts over ``span_s``: as the report's metrics define them (throughput
+    counts requests that finished, goodput those within SLO), over the live view's own time
+    (the window, or since the start), not a stage's achieved interval."""
+    judged = c["slo_judged"]
+    return {**c,
+            "slo_attainment": c["slo_met"] / judged if judged else None,
+            "goodput_rps": c["slo_met"] / span_s if judged and span_s > 0 else None,
+            "throughput_rps": (c["done"] - c["cancelled"]) / span_s if span_s > 0 else None,
+            "hit_ratio": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else None}

@@ -64,17 +64,17 @@ class TelemetryTail:
                            "waiting": last.get(a.waiting), "running": last.get(a.running),
                            "hit_ratio": ratio}
         roles: dict[str, dict] = {}
-        for row in self.gpu.values():
-            r = roles.setdefault(row.get("role") or "unknown", {"gpus": 0, "sm": [],
+        for row in self.gpu.values():  # rows of the gpu schema: every column is there
+            r = roles.setdefault(row["role"] or "unknown", {"gpus": 0, "sm": [],
                                                                 "hbm_used": 0, "hbm_total": 0})
             r["gpus"] += 1
-            sm = row.get("sm_active")
-            if sm is None and row.get("gpu_util_pct") is not None:
+            sm = row["sm_active"]
+            if sm is None and row["gpu_util_pct"] is not None:
                 sm = row["gpu_util_pct"] / 100.0
             if sm is not None:
                 r["sm"].append(sm)
-            r["hbm_used"] += row.get("hbm_used_bytes") or 0
-            r["hbm_total"] += row.get("hbm_total_bytes") or 0
+            r["hbm_used"] += row["hbm_used_bytes"] or 0
+            r["hbm_total"] += row["hbm_total_bytes"] or 0
         gpu = {k: {"gpus": v["gpus"], "sm_active": sum(v["sm"]) / len(v["sm"]) if v["sm"]
                    else None, "hbm_used_bytes": v["hbm_used"], "hbm_total_bytes": v["hbm_total"]}
                for k, v in roles.items()}

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvbench.core.schema import ENGINE
 from kvbench.core.store import ShardTail, ShardWriter
-from kvbench.loadgen import live
+from kvbench.loadgen import live, live_quantiles
 from kvbench.reports import metrics as M
 from kvbench.runs import progress
 from kvbench.runs.job import Job, JobEndpoint, JobStage
@@ -109,7 +109,7 @@ def test_window_forgets_what_left_it():
            "lateness": np.array([5.0])}
     new = {"ttft": np.array([10.0, 20.0]), "tpot": np.array([5.0]),
            "itl_us": np.array([1000, 2000, 3000]), "lateness": np.array([0.5])}
-    c = dict(live._zeros(), done=1, ok=1)
+    c = dict(live_quantiles._zeros(), done=1, ok=1)
     ks.add(now - int(60e9), old, c)
     ks.add(now, new, dict(c, done=2, ok=2))
     s = ks.summary(30.0, now, 90.0)
