@@ -83,8 +83,7 @@ def _stream_gaps(batches, pool: ThreadPoolExecutor, done: list) -> list[GapStore
 
 
 def _batch_gaps(offsets: pa.Array, status: pa.Array) -> GapStore:
-    ok = pc.fill_null(pc.equal(status, "ok"), False).to_numpy(zero_copy_only=False)
-    return GapStore.from_offsets(offsets, keep=ok)
+    return GapStore.itl(pa.record_batch([offsets, status], ["chunk_offsets_ns", "status"]))
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """The request frame: one row per request with every derived per-request value (ms, SLO
-verdicts, stage wall times), built from the ``requests`` table (schema v1), vectorised.
+verdicts, stage wall times), built from the ``requests`` table (schema v1), vectorised. The
+per-request values are ``reports.definitions``' (evaluated here, never restated), under the
+same names.
 
 The ITL gaps of a frame's requests live beside it in a ``GapStore`` (``frame.attrs["itl"]``),
 flat float32 ms with per-row offsets, so that subsetting a frame never copies 50M gaps. Metric
@@ -17,7 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pandas.api.types import union_categoricals
 
-NS_PER_MS = 1e6
+from kvbench.reports import definitions as D
+from kvbench.reports.definitions import NS_PER_MS
+
 # Prompt-length buckets (tokens): powers of two from 256; 512 is the seeds' P/D crossover.
 BUCKET_EDGES_TOKENS = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -27,6 +31,8 @@ FRAME_COLUMNS = ("endpoint", "topology", "workload", "request_class", "session_i
                  "completion_tokens_client", "cached_tokens", "shared_prefix_tokens",
                  "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "e2e_ns", "server_queue_ns",
                  "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns")
+# the per-request definitions a frame holds as columns of the same names (the ITL gaps beside it)
+_DEFINED = [k for k in D.DEFINITIONS if k != "itl_gaps_ns"]
 _STRING_COLS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
                 "status", "error", "server_replica", "server_region")
 
@@ -69,42 +75,22 @@ class GapStore:
         return len(self.offsets) - 1
 
     @classmethod
-    def from_offsets(cls, offsets: pa.ChunkedArray | pa.Array, keep: np.ndarray | None = None,
-                     block: int = 4_000_000) -> "GapStore":
-        """Gaps between consecutive chunk offsets per request, done on the flat value buffer
-        (no per-row Python); rows where ``keep`` is False get no gaps."""
-        if isinstance(offsets, pa.ChunkedArray):
-            offsets = offsets.combine_chunks() if offsets.num_chunks else pa.array(
-                [], pa.list_(pa.int64()))
-        lens = pc.fill_null(pc.list_value_length(offsets), 0).to_numpy(
-            zero_copy_only=False).astype(np.int64)
-        values = pc.list_flatten(offsets).to_numpy(zero_copy_only=False)
-        n_gaps = np.maximum(lens - 1, 0)
-        ends = np.cumsum(lens)
-        # A diff at flat position i is a real gap unless i is the last chunk of its request
-        # (or its request is not kept).
-        keep_flat = np.ones(max(len(values) - 1, 0), bool)
-        last = ends[lens > 0] - 1
-        keep_flat[last[last < len(keep_flat)]] = False
-        if keep is not None and not np.all(keep):
-            drop = ~np.asarray(keep, bool) & (lens > 1)
-            starts = ends - lens
-            size = len(keep_flat) + 1
-            mark = (np.bincount(starts[drop], minlength=size)
-                    - np.bincount(ends[drop] - 1, minlength=size))
-            keep_flat &= np.cumsum(mark)[:-1] == 0
-            n_gaps = np.where(drop, 0, n_gaps)
-        new_offsets = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(n_gaps, out=new_offsets[1:])
-        out = np.empty(int(new_offsets[-1]), np.float32)
-        pos = 0
-        for s in range(0, len(keep_flat), block):  # bounded temporaries
-            e = min(s + block, len(keep_flat))
-            d = values[s + 1:e + 1] - values[s:e]
-            d = d[keep_flat[s:e]]
-            out[pos:pos + len(d)] = d / NS_PER_MS
-            pos += len(d)
-        return cls(out, new_offsets)
+    def from_offsets(cls, offsets: pa.ChunkedArray | pa.Array, keep: np.ndarray | None = None
+                     ) -> "GapStore":
+        """Gaps between consecutive chunk offsets per request (float32 ms); rows where ``keep``
+        is False get none."""
+        lists = D.from_arrow(pa.table({"chunk_offsets_ns": offsets}), ["chunk_offsets_ns"])
+        got = D.gaps(*lists["chunk_offsets_ns"][:2], keep, convert=D.gap_ms32, dtype=np.float32)
+        return cls(got.values, got.offsets)
+
+    @classmethod
+    def itl(cls, records: pa.Table | pa.RecordBatch) -> "GapStore":
+        """The ITL gaps of ``records`` (``definitions.ITL_GAPS_NS``: their ``chunk_offsets_ns``
+        and ``status``), as float32 ms."""
+        names = D.inputs(["itl_gaps_ns"])
+        got = D.evaluate(["itl_gaps_ns"], D.from_arrow(records, names), n=records.num_rows,
+                         gaps_as=(D.gap_ms32, np.float32))["itl_gaps_ns"]
+        return cls(got.values, got.offsets)
 
     @classmethod
     def concat(cls, stores: Sequence["GapStore"]) -> "GapStore":
@@ -155,53 +141,11 @@ def prompt_buckets(prompt_tokens: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(idx, categories=labels, ordered=True)
 
 
-def _slo_get(slo_cfg, key: str):
-    if slo_cfg is None:
-        return None
-    return slo_cfg.get(key) if isinstance(slo_cfg, Mapping) else getattr(slo_cfg, key, None)
-
-
-def has_slo(classes: pd.Categorical, slo: Mapping[str, object] | None) -> np.ndarray:
-    """True where the request's class has an SLO (at least one of TTFT, TPOT, E2E set).
-
-    A class without one is shown as "no SLO": its requests are left out of SLO attainment and
-    goodput (never counted as met by default)."""
-    with_slo = [str(name) for name, cfg in (slo or {}).items()
-                if any(_slo_get(cfg, k) is not None for k in ("ttft_ms", "tpot_ms", "e2e_ms"))]
-    return np.asarray(pd.Series(classes.astype(object)).isin(with_slo).to_numpy(), bool)
-
-
-def slo_met(frame_cols: Mapping[str, np.ndarray], classes: pd.Categorical,
-            slo: Mapping[str, object] | None) -> np.ndarray:
-    """True where the request succeeded and met every SLO set for its class.
-
-    A class with no SLO table only needs success here, but ``has_slo`` leaves it out of
-    attainment and goodput; a single-token response has no TPOT, so a TPOT SLO does not apply
-    to it."""
-    ok = frame_cols["ok"]
-    met = ok.copy()
-    if not slo:
-        return met
-    cls = np.asarray(classes.astype(object))
-    for name, cfg in slo.items():
-        rows = cls == name
-        if not rows.any():
-            continue
-        for key, col in (("ttft_ms", "ttft_ms"), ("tpot_ms", "tpot_ms"), ("e2e_ms", "e2e_ms")):
-            limit = _slo_get(cfg, key)
-            if limit is None:
-                continue
-            v = frame_cols[col][rows]
-            fine = (v <= float(limit)) | (np.isnan(v) & (key == "tpot_ms"))
-            met[rows] &= fine
-    return met
-
-
 def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
                   slo: Mapping[str, object] | None = None,
                   endpoint_label: Callable[[str], str] | None = None,
                   gaps: "GapStore | None" = None) -> pd.DataFrame:
-    """One row per request with every derived per-request value (``metrics.DEFINITIONS``).
+    """One row per request with every derived per-request value (``reports.definitions``).
 
     Needs the columns in ``FRAME_COLUMNS`` (plus ``chunk_offsets_ns`` unless ``gaps`` gives
     the requests' ITL gaps, with failed requests' gaps left out).
@@ -209,22 +153,11 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     ``stages``: run.json ``stages`` (their t_start_ns/t_end_ns give the wall time for rates);
     ``slo``: {class: SLO or dict with ttft_ms/tpot_ms/e2e_ms}."""
     n = table.num_rows
-    status = _categorical(table.column("status"))
-    ok = np.asarray(status == "ok")
-    cancelled = np.asarray(status == "cancelled")  # cut by a stop: neither ok nor an error
+    d = D.evaluate(_DEFINED, D.from_arrow(table, D.inputs(_DEFINED)), slo, n=n)
     ttft_ns = _f64(table, "ttft_ns")
     e2e_ns = _f64(table, "e2e_ns")
     t_sent = table.column("t_sent").to_numpy(zero_copy_only=False)
     t_sched = table.column("t_scheduled").to_numpy(zero_copy_only=False)
-    prompt = _f64(table, "prompt_tokens")
-    prompt = np.where(np.isnan(prompt), _f64(table, "prompt_tokens_client"), prompt)
-    completion = _f64(table, "completion_tokens")
-    completion = np.where(np.isnan(completion), _f64(table, "completion_tokens_client"),
-                          completion)
-    ttft_ms = np.where(ok, ttft_ns / NS_PER_MS, np.nan)
-    e2e_ms = np.where(ok, e2e_ns / NS_PER_MS, np.nan)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot_ms = np.where(ok & (completion > 1), (e2e_ms - ttft_ms) / (completion - 1), np.nan)
     cols: dict[str, object] = {}
     for c in _STRING_COLS:
         cols[c] = _categorical(table.column(c))
@@ -234,19 +167,17 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     cols.update({
         "stage": table.column("stage").to_numpy(zero_copy_only=False),
         "turn": table.column("turn").to_numpy(zero_copy_only=False),
-        "ok": ok,
-        "cancelled": cancelled,
+        "ok": d["ok"].data,
+        "cancelled": d["cancelled"].data,
         "http_status": _f64(table, "http_status"),
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "cached_tokens": _f64(table, "cached_tokens"),
+        "prompt_tokens": D.floats(d["prompt_tokens"]),
+        "completion_tokens": D.floats(d["completion_tokens"]),
+        "cached_tokens": D.floats(d["cached_tokens"]),
         "shared_prefix_tokens": _f64(table, "shared_prefix_tokens"),
         "t_scheduled_ns": t_sched,
         "t_sent_ns": t_sent,
-        "ttft_ms": ttft_ms,
-        "tpot_ms": tpot_ms,
-        "e2e_ms": e2e_ms,
-        "lateness_ms": (t_sent - t_sched) / NS_PER_MS,
+        **{name: D.floats(d[name]) for name in ("ttft_ms", "tpot_ms", "e2e_ms",
+                                                "lateness_ms")},
         "connect_ms": _f64(table, "connect_ns") / NS_PER_MS,
         # when the request stopped (last byte, or the error): the end of the achieved interval
         "t_done_ns": t_sent.astype(np.float64) + np.nan_to_num(e2e_ns),
@@ -255,9 +186,9 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
         "server_kv_transfer_ms": _f64(table, "server_kv_transfer_ns") / NS_PER_MS,
         "server_first_decode_ms": _f64(table, "server_first_decode_ns") / NS_PER_MS,
     })
-    cols["prompt_bucket"] = prompt_buckets(prompt)
-    cols["slo_met"] = slo_met(cols, cols["request_class"], slo)
-    cols["has_slo"] = has_slo(cols["request_class"], slo)
+    cols["prompt_bucket"] = prompt_buckets(cols["prompt_tokens"])
+    cols["slo_met"] = d["slo_met"].data
+    cols["has_slo"] = d["has_slo"].data
     key, wall, achieved, offered, started = _stage_walls(table, cols, stages, e2e_ns, ttft_ns)
     cols["stage_key"] = key
     cols["stage_wall_s"] = wall
@@ -265,7 +196,7 @@ def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
     cols["stage_offered_s"] = offered
     cols["stage_started_s"] = started
     if gaps is None:
-        gaps = GapStore.from_offsets(table.column("chunk_offsets_ns"), keep=ok)
+        gaps = GapStore.itl(table)
     if len(gaps) != n:
         raise ValueError(f"gap store has {len(gaps)} rows for {n} requests")
     cols["itl_row"] = np.arange(n, dtype=np.int64)
@@ -368,6 +299,38 @@ def itl_values(frame: pd.DataFrame) -> np.ndarray:
         raise ValueError("frame has no ITL gap store; build it with reports.frame."
                          "request_frame (and concatenate frames with reports.frame.concat)")
     return store.gather(frame["itl_row"].to_numpy())
+
+
+class _Held(Mapping):
+    """A frame's columns as ``definitions.evaluate`` takes them: the definitions it holds
+    (``_DEFINED``, under the same names)."""
+
+    def __init__(self, frame: pd.DataFrame):
+        self.frame = frame
+
+    def __getitem__(self, name: str) -> D.Vec:
+        if name not in self:
+            raise KeyError(name)
+        if name in D.FLAGS:
+            return D.Vec(self.frame[name].to_numpy(bool), True)
+        a = self.frame[name].to_numpy(np.float64)
+        return D.Vec(a, ~np.isnan(a))
+
+    def __contains__(self, name) -> bool:
+        return name in _DEFINED and name in self.frame.columns
+
+    def __iter__(self):
+        return (c for c in self.frame.columns if c in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def defined(frame: pd.DataFrame, name: str) -> np.ndarray:
+    """Definition ``name`` (``reports.definitions``) over a frame's rows, evaluated from the
+    definitions it holds (``failed`` from ``ok`` and ``cancelled``, ...)."""
+    held = _Held(frame)
+    return D.evaluate([name], held, n=len(frame), known=held)[name].data
 
 
 def wall_s(frame: pd.DataFrame, column: str = "stage_wall_s") -> float:

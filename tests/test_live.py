@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.core.schema import ENGINE
-from kvbench.core.store import ShardWriter
-from kvbench.loadgen import live
+from kvbench.core.store import ShardTail, ShardWriter
+from kvbench.loadgen import live, live_quantiles
 from kvbench.reports import metrics as M
 from kvbench.runs import progress
 from kvbench.core.contract import StagePlan as JobStage
@@ -110,7 +110,7 @@ def test_window_forgets_what_left_it():
            "lateness": np.array([5.0])}
     new = {"ttft": np.array([10.0, 20.0]), "tpot": np.array([5.0]),
            "itl_us": np.array([1000, 2000, 3000]), "lateness": np.array([0.5])}
-    c = dict(live._zeros(), done=1, ok=1)
+    c = dict(live_quantiles._zeros(), done=1, ok=1)
     ks.add(now - int(60e9), old, c)
     ks.add(now, new, dict(c, done=2, ok=2))
     s = ks.summary(30.0, now, 90.0)
@@ -133,8 +133,9 @@ def test_worker_message_round_trip_keeps_values_exactly():
 
 
 def test_shard_tail_reads_what_is_appended_and_waits_for_a_partial_batch(tmp_path):
+    """The store's tail, as the live view's telemetry reads the collectors' Arrow shards."""
     w = ShardWriter(tmp_path, "engine")
-    tail = live.ShardTail(w.path)
+    tail = ShardTail(tmp_path, "engine")
 
     def rows(t):
         return pa.RecordBatch.from_pylist(
@@ -142,17 +143,18 @@ def test_shard_tail_reads_what_is_appended_and_waits_for_a_partial_batch(tmp_pat
               "value": float(t)}], schema=ENGINE)
 
     w.write(rows(1))
-    assert [b.num_rows for b in tail.read()] == [1]
+    assert [b.num_rows for b in tail.new()] == [1]
     w.write(rows(2))
     w.write(rows(3))
     size = w.path.stat().st_size
     w.write(rows(4))
     full = w.path.read_bytes()
     w.path.write_bytes(full[:size + 20])  # a batch half written
-    assert [b.column("t_ns")[0].as_py() for b in tail.read()] == [2, 3]
+    assert [b.column("t_ns")[0].as_py() for b in tail.new()] == [2, 3]
     w.path.write_bytes(full)
-    assert [b.column("t_ns")[0].as_py() for b in tail.read()] == [4]
-    assert tail.read() == []
+    assert [b.column("t_ns")[0].as_py() for b in tail.new()] == [4]
+    assert tail.new() == []
+    assert tail.read().column("t_ns").to_pylist() == [1, 2, 3, 4]
 
 
 def test_telemetry_from_collector_shards(tmp_path):

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import msgpack
 
@@ -205,3 +205,65 @@ class RowShardWriter:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
+
+
+class RowTail:
+    """One ``.rows`` shard read as it grows, without pyarrow: ``batches`` yields the batches
+    completed since the last read (column lists in ``columns`` order, the header's); a batch
+    cut at the end (a kill, or a write under way) waits for the next read. The store's Arrow
+    readers (``core.shards``: ``scan``, ``ShardTail``) and the live view read shards through
+    it. A file that is not a rows stream (of ``table``) is a ``DataError`` naming it."""
+
+    def __init__(self, path: Path | str, table: str | None = None) -> None:
+        self.path, self.table = Path(path), table
+        self.columns: list[str] | None = None  # the header's, once read
+        self.offset = 0  # bytes read: the header and every complete batch
+
+    def read(self) -> list[list[list]]:
+        return list(self.batches())
+
+    def batches(self) -> Iterator[list[list]]:
+        from kvbench.core.errors import DataError
+
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            if self.columns is None:
+                first = fh.read(1)
+                if not first:
+                    return  # a process that wrote nothing (yet)
+                fh.seek(0)
+            reader, base = unpacker(fh), self.offset
+            if self.columns is None:
+                try:
+                    head = next(reader) if starts_with_map(first) else None
+                except StopIteration:
+                    return  # the header is being written (or a kill cut it): no records yet
+                except _UNPACK_ERRORS:
+                    head = None
+                problem = header_problem(head, self.table)
+                if problem:
+                    raise DataError(f"{self.path}: {problem}; remove it or restore the run's "
+                                    "own file")
+                self.columns, self.offset = head["columns"], reader.tell()
+            while True:
+                try:
+                    batch = next(reader)
+                except StopIteration:
+                    return  # the end, or a batch cut by a kill: everything before it is kept
+                except _UNPACK_ERRORS as exc:
+                    raise DataError(f"{self.path}: damaged after its first "
+                                    f"{base + reader.tell()} bytes ({exc}); restore the run's "
+                                    "own file, or remove it") from None
+                problem = batch_problem(batch, len(self.columns))
+                if problem:
+                    raise DataError(f"{self.path}: {problem}; the file is damaged: restore the "
+                                    "run's own file, or remove it")
+                self.offset = base + reader.tell()
+                yield batch
+
+    def dicts(self) -> list[dict[str, list]]:
+        """The new batches as ``{column: list}``, as the record sink hands them to its taps."""
+        return [dict(zip(self.columns, b)) for b in self.batches()]
+
+
+_UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)

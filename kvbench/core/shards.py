@@ -9,7 +9,6 @@ import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
@@ -210,118 +209,125 @@ def _arrows_batches(shard: Path, table: str) -> Iterator[pa.RecordBatch]:
             yield batch
 
 
-_UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException)
-
-
 def _rows_batches(shard: Path, table: str) -> Iterator[pa.RecordBatch]:
-    """The batches of a ``.rows`` shard as record batches of the header's columns that the
-    table has (typed by its schema; columns it does not know are left out, as in an Arrow
-    shard). A batch cut at the end (a kill) ends the file silently; anything else that does
-    not read is a ``DataError`` naming the file."""
-    for batch, _ in _rows_from(shard, table, None, 0):
-        if not isinstance(batch, tuple):  # the header's columns
-            yield batch
+    """The batches of a ``.rows`` shard as record batches (``_RowsReader``)."""
+    yield from _RowsReader(shard, table).read()
 
 
-def _rows_from(shard: Path, table: str, head: tuple | None, offset: int
-               ) -> Iterator[tuple[pa.RecordBatch | tuple, int]]:
-    """``_rows_batches`` from byte ``offset`` on, each batch with the offset after it.
-    ``head``: the shard's columns (known fields, their schema, how many a batch holds) as a
-    first yield gave them (``offset`` 0: read from the header, yielded first as a tuple)."""
-    schema = SHARD_SCHEMAS[table]
-    with open(shard, "rb") as fh:
-        if head is None:
-            first = fh.read(1)
-            if not first:
-                return  # a process that wrote nothing
-            fh.seek(0)
-            unpacker = rows.unpacker(fh)
+class _RowsReader:
+    """A ``.rows`` shard's batches (``rows.RowTail``) as record batches of the header's
+    columns that the table has, typed by its schema (columns it does not know are left out,
+    as in an Arrow shard); a value that does not read as its type is a ``DataError``."""
+
+    def __init__(self, shard: Path, table: str) -> None:
+        self.tail = rows.RowTail(shard, table)
+        self.shard, self.table = shard, table
+        self.known: list | None = None  # (index in the header, field) of the known columns
+        self.schema: pa.Schema | None = None
+
+    def read(self) -> Iterator[pa.RecordBatch]:
+        for batch in self.tail.batches():
+            yield self._arrow(batch)
+        self._typed()  # a header alone is still checked
+
+    def _typed(self) -> None:
+        if self.known is None and self.tail.columns is not None:
+            schema = SHARD_SCHEMAS[self.table]
+            self.known = [(i, schema.field(n)) for i, n in enumerate(self.tail.columns)
+                          if n in schema.names]
+            self.schema = pa.schema([f for _, f in self.known])
+            check_schema(self.schema, self.table, self.shard)
+
+    def _arrow(self, batch: list) -> pa.RecordBatch:
+        self._typed()
+        arrays = []
+        for i, f in self.known:
             try:
-                header = next(unpacker) if rows.starts_with_map(first) else None
-            except StopIteration:
-                return  # killed while writing the header: no records in it
-            except _UNPACK_ERRORS:
-                header = None
-            problem = rows.header_problem(header, table)
-            if problem:
-                raise DataError(f"{shard}: {problem}; remove it or restore the run's own file")
-            names = header["columns"]
-            known = [(i, schema.field(n)) for i, n in enumerate(names) if n in schema.names]
-            have = pa.schema([f for _, f in known])
-            check_schema(have, table, shard)
-            head = (known, have, len(names))
-            base = 0
-            if offset == 0:
-                yield head, unpacker.tell()
-        else:
-            fh.seek(offset)
-            unpacker = rows.unpacker(fh)
-            base = offset
-        known, have, n_names = head
-        while True:
+                arrays.append(pa.array(batch[i], type=f.type))
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+                raise DataError(f"{self.shard}: column {f.name} does not read as {f.type} "
+                                f"({str(exc).splitlines()[0][:160]}); restore the run's own "
+                                "file") from None
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+
+class _ArrowsTail:
+    """An Arrow IPC stream shard read as it grows (message by message from where the last
+    read stopped: a partial last message is left for the next read)."""
+
+    def __init__(self, shard: Path, table: str) -> None:
+        self.shard, self.table = shard, table
+        self.offset = 0
+        self.schema: pa.Schema | None = None
+
+    def read(self) -> list[pa.RecordBatch]:
+        with open(self.shard, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        if self.offset == 0 and len(data) >= 4 and data[:4] != _IPC_MARKER:
+            raise DataError(f"{self.shard}: not an Arrow IPC stream (a {self.table} shard "
+                            "starts with one); remove it or restore the run's own file")
+        src = pa.BufferReader(data)
+        out, pos = [], 0
+        while pos < len(data):
             try:
-                batch = next(unpacker)
-            except StopIteration:
-                return  # the end, or a batch cut by a kill: everything before it is kept
-            except _UNPACK_ERRORS as exc:
-                raise DataError(f"{shard}: damaged after its first {base + unpacker.tell()} "
-                                f"bytes ({exc}); restore the run's own file, or remove "
-                                "it") from None
-            problem = rows.batch_problem(batch, n_names)
-            if problem:
-                raise DataError(f"{shard}: {problem}; the file is damaged: restore the run's "
-                                "own file, or remove it")
-            arrays = []
-            for i, f in known:
+                msg = ipc.read_message(src)
+            except (pa.ArrowInvalid, EOFError, OSError, StopIteration):
+                break  # cut mid-message: the rest waits for the next read
+            if msg is None:
+                break
+            if msg.type == "schema":
+                self.schema = ipc.read_schema(msg)
+                check_schema(self.schema, self.table, self.shard)
+            elif msg.type == "record batch" and self.schema is not None:
+                batch = ipc.read_record_batch(msg, self.schema)
                 try:
-                    arrays.append(pa.array(batch[i], type=f.type))
-                except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-                    raise DataError(f"{shard}: column {f.name} does not read as {f.type} "
-                                    f"({str(exc).splitlines()[0][:160]}); restore the run's "
-                                    "own file") from None
-            yield pa.RecordBatch.from_arrays(arrays, schema=have), base + unpacker.tell()
+                    batch.validate(full=True)
+                except pa.ArrowInvalid:
+                    break  # a batch cut or damaged at the end
+                out.append(batch)
+            pos = src.tell()
+        self.offset += pos
+        return out
 
 
 class ShardTail:
-    """One table's live shards, read as they grow: each ``read`` parses only the batches
+    """One table's live shards, read as they grow: each read parses only the batches
     completed since the last (a running capacity search reads its records every half second;
     reading every shard whole each time made a poll's cost grow with the run: the search's
-    own process went from 8% to 36% of a core over 80 s of a ground-truth search). ``.arrows``
-    shards (collectors, older runs) are read whole each time. The table it returns holds the
-    shards' records only (``columns``, conformed as ``scan`` does), never a parquet file."""
+    own process went from 8% to 36% of a core over 80 s of a ground-truth search), ``.rows``
+    shards through ``rows.RowTail``. ``new`` returns what came since the last read (the live
+    view's collector figures), ``read`` every record so far (``columns``, conformed as
+    ``scan`` does), never a parquet file."""
 
     def __init__(self, run_dir: Path | str, table: str,
                  columns: Sequence[str] | None = None) -> None:
         self.run_dir, self.table, self.columns = Path(run_dir), table, columns
-        self._shards: dict[Path, tuple] = {}  # shard -> (head, offset after its last batch)
+        self.shards: dict[Path, _RowsReader | _ArrowsTail] = {}  # every shard seen
         self._batches: list[pa.RecordBatch] = []
 
-    def read(self) -> pa.Table:
+    def new(self) -> list[pa.RecordBatch]:
         schema = SHARD_SCHEMAS[self.table]
-        other = []
+        out = []
         for shard in shard_files(self.run_dir, self.table):
+            reader = self.shards.get(shard)
+            if reader is None:
+                reader = self.shards[shard] = (_RowsReader if shard.suffix == rows.ROWS_SUFFIX
+                                               else _ArrowsTail)(shard, self.table)
             try:
-                if shard.suffix != rows.ROWS_SUFFIX:
-                    other += [_conform(b, schema, self.columns, shard, self.table, False)
-                              for b in _arrows_batches(shard, self.table)]
-                    continue
-                head, offset = self._shards.get(shard, (None, 0))
-                for batch, end in _rows_from(shard, self.table, head, offset):
-                    if isinstance(batch, tuple):
-                        head = batch
-                    else:
-                        self._batches.append(_conform(batch, schema, self.columns, shard,
-                                                      self.table, False))
-                    offset = end
-                if head is not None:
-                    self._shards[shard] = (head, offset)
+                got = list(reader.read())
             except OSError as exc:
                 raise DataError(f"{shard}: cannot be read ({exc.strerror or exc}); check its "
                                 "permissions or remove it") from None
-        batches = self._batches + other
-        if batches:
-            return pa.Table.from_batches(batches)
-        empty = schema.empty_table()
+            out += [_conform(b, schema, self.columns, shard, self.table, False) for b in got]
+        self._batches += out
+        return out
+
+    def read(self) -> pa.Table:
+        self.new()
+        if self._batches:
+            return pa.Table.from_batches(self._batches)
+        empty = SHARD_SCHEMAS[self.table].empty_table()
         return empty.select(list(self.columns)) if self.columns is not None else empty
 
 
