@@ -112,7 +112,7 @@ def locust_big_line(mib: int) -> None:
 
 def load_parser(path: str | None):
     if path is None:
-        from kvbench.loadgen.sse import SSEParser
+        from kvbench.loadgen.timing.sse import SSEParser
 
         return SSEParser, {"max_line_bytes": 1 << 30}
     spec = importlib.util.spec_from_file_location("other_sse", path)
@@ -143,7 +143,7 @@ def rss_kib() -> int:
 
 
 def header_flood(flood_s: float) -> None:
-    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
 
     srv = subprocess.Popen([sys.executable, "-c", FLOOD_SERVER, str(flood_s)],
                            stdout=subprocess.PIPE, text=True)
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     cls, kw = load_parser(a.parser)
     small = parse_cpu_s(cls, kw, 10, a.read_bytes)
     big = parse_cpu_s(cls, kw, 40, a.read_bytes)
-    print(f"SSE parser ({a.parser or 'kvbench.loadgen.sse'}), reads of {a.read_bytes} B: "
+    print(f"SSE parser ({a.parser or 'kvbench.loadgen.timing.sse'}), reads of {a.read_bytes} B: "
           f"10 MiB line {small:.3f} s CPU, 40 MiB line {big:.3f} s CPU, ratio "
           f"{big / max(small, 1e-9):.1f}x (linear 4x, quadratic 16x)")
     if not a.skip_flood:

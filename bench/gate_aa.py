@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test servers and fakes
 
 from kvbench.config import GateConfig, GateRule, load_config  # noqa: E402
 from kvbench.core.store import load_results  # noqa: E402
-from kvbench.reports import gate  # noqa: E402
+from kvbench.reports.analysis import gate # noqa: E402
 
 CONFIG = """
 [suite]

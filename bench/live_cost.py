@@ -1,4 +1,4 @@
-"""What the live summary (kvbench.loadgen.live) costs a load process at a given request rate.
+"""What the live summary (kvbench.loadgen.liveview.live) costs a load process at a given request rate.
 
 Replays the sink's output at ``--rate`` requests/s: a REQUESTS batch every flush interval
 (0.5 s: what ``RecordSink`` writes, handed over as {column: list of values}), with ``--chunks``
@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvbench.core.schema import REQUESTS
-from kvbench.loadgen import live
-from kvbench.loadgen.sink import FLUSH_INTERVAL_S
+from kvbench.loadgen.liveview import live
+from kvbench.loadgen.timing.sink import FLUSH_INTERVAL_S
 
 
 def batch(rng, n: int, chunks: int, t0_ns: int, classes=("rag", "chat")) -> pa.RecordBatch:

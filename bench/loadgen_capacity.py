@@ -57,7 +57,7 @@ def client_main(a) -> None:
     counter = [0]
 
     if a.client == "ours":
-        from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
+        from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
 
         pool = ConnectionPool(Target.parse(a.url))
         pool.warm(a.streams)
@@ -115,8 +115,8 @@ def open_loop_main(a) -> None:
     import numpy as np
     import orjson
 
-    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
-    from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan
+    from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.plan.pacing import OpenLoopDispatcher, StagePlan
 
     pin(0)
     body = orjson.dumps({"model": "test-model", "prompt": "x", "max_tokens": 4, "stream": True})

@@ -68,7 +68,7 @@ def client_alone(a) -> None:
     monkey.patch_all()
     import gevent
 
-    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
 
     pool = ConnectionPool(Target.parse(a.url))
     pool.warm(a.streams)
@@ -84,7 +84,7 @@ def client_alone(a) -> None:
             arrivals[rid] = [r.t_sent_mono_ns + o for o in r.offsets_ns]
             i += 1
 
-    from kvbench.loadgen.looplag import LoopLag
+    from kvbench.loadgen.timing.looplag import LoopLag
 
     lag = LoopLag().start()  # the same monitor the Locust path runs
     gevent.joinall([gevent.spawn(loop, k) for k in range(a.streams)])

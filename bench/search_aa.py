@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_search_aa import CONFIG  # noqa: E402
 
 from kvbench.core.store import load_results  # noqa: E402
-from kvbench.reports import capacity as C  # noqa: E402
-from kvbench.reports.metrics import request_frame  # noqa: E402
+from kvbench.reports.analysis import capacity as C # noqa: E402
+from kvbench.reports.statistics.metrics import request_frame  # noqa: E402
 
 
 def search(out: Path, run_id: str, seed: int, slowdown: float, reuse: bool,

@@ -56,8 +56,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 from kvbench.core.store import load_results  # noqa: E402
-from kvbench.reports import capacity as C  # noqa: E402
-from kvbench.reports.metrics import request_frame  # noqa: E402
+from kvbench.reports.analysis import capacity as C # noqa: E402
+from kvbench.reports.statistics.metrics import request_frame  # noqa: E402
 
 CONFIG = """
 [suite]

@@ -9,9 +9,9 @@ from locust import User, task
 from locust.exception import StopUser
 
 from kvbench.core.errors import UserError
-from kvbench.loadgen import hooks  # noqa: F401 - registers the event listeners
-from kvbench.loadgen import webtab  # noqa: F401 - the web UI's kvbench tab
-from kvbench.loadgen.context import fail, get_context, quit_soon
+from kvbench.loadgen.wiring import hooks # noqa: F401 - registers the event listeners
+from kvbench.loadgen.wiring import webtab # noqa: F401 - the web UI's kvbench tab
+from kvbench.loadgen.wiring.context import fail, get_context, quit_soon
 
 
 class KVBenchUser(User):

@@ -1,6 +1,6 @@
 """A small aiohttp client for the emulator's own tests and benchmarks (not the load generator):
 one request, streamed or not, with client-side timing and the SSE events as parsed by the
-tree's one SSE parser (``kvbench.loadgen.sse``)."""
+tree's one SSE parser (``kvbench.loadgen.timing.sse``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from kvbench.loadgen.sse import SSEParser
+from kvbench.loadgen.timing.sse import SSEParser
 
 
 @dataclass

@@ -36,7 +36,7 @@ def test_wheel_adds_only_kvbench_at_top_level(wheel):
     assert tops == {"kvbench"}, sorted(tops)
     # the card's folders are inside the namespace, the locustfiles and templates with them
     for path in ("kvbench/loadgen/longctx.py", "kvbench/workloads/traces/mooncake.py",
-                 "kvbench/collectors/nvml.py", "kvbench/reports/templates/report.html.j2",
+                 "kvbench/collectors/nvml.py", "kvbench/reports/rendering/templates/report.html.j2",
                  "kvbench/endpoints/server.py", "kvbench/core/store.py"):
         assert path in names, path
     assert not [n for n in names if n.startswith("kvbench/tests/") or "/testing.py" in n]
@@ -69,7 +69,7 @@ def test_the_wheel_alone_reports_and_ships_its_locustfiles(wheel, tmp_path):
         return subprocess.run([sys.executable, "-m", "kvbench", *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
 
-    p = subprocess.run([sys.executable, "-c", "import kvbench.reports.render as r; "
+    p = subprocess.run([sys.executable, "-c", "import kvbench.reports.rendering.render as r; "
                         "print(r.__file__)"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)
     assert p.stdout.strip().startswith(str(site)), p.stdout + p.stderr

@@ -22,8 +22,8 @@ from kvbench.core.errors import UserError
 from kvbench.core.schema import SPANS
 from kvbench.core.store import ShardWriter, load_results
 from kvbench.endpoints.kvcache import HBMCache
-from kvbench.reports.cache_verify import as_findings, cache_rows, verify
-from kvbench.reports.data import load
+from kvbench.reports.analysis.cache_verify import as_findings, cache_rows, verify
+from kvbench.reports.measures.data import load
 from kvbench.runs import builtin, cache
 from kvbench.runs.job import Job, JobEndpoint
 

@@ -1,4 +1,4 @@
-"""The per-request definitions (kvbench.reports.definitions): their in-memory (numpy) and
+"""The per-request definitions (kvbench.reports.measures.definitions): their in-memory (numpy) and
 columnar (Arrow) evaluations agree on every definition, on generated records with nulls,
 one-token answers, cancelled requests, errors and empty chunk lists."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvbench.core.schema import REQUESTS
-from kvbench.reports import definitions as D
+from kvbench.reports.measures import definitions as D
 
 EPOCH = 1_780_000_000 * 10**9
 NAMES = list(D.DEFINITIONS)

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.cli import main
-from kvbench.reports import diagnose as D
-from kvbench.reports import metrics as M
-from kvbench.reports.data import load
+from kvbench.reports.analysis import diagnose as D
+from kvbench.reports.statistics import metrics as M
+from kvbench.reports.measures.data import load
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ import distributed_helpers as H
 from kvbench.core import store
 from kvbench.core.rows import REQUEST_COLUMNS, shard_files
 from kvbench.core.schema import REQUESTS
-from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan
+from kvbench.loadgen.plan.pacing import OpenLoopDispatcher, StagePlan
 from kvbench.runs import finalize, transport as T
 from kvbench.runs.locust import free_port
 
@@ -212,7 +212,7 @@ def test_master_and_two_workers_own_dirs_every_served_request_one_row(endpoint, 
     assert abs(offsets[skewed[0]] + SKEW_NS) < by_worker[skewed[0]]["clock_rtt_ns"] / 2 + 10**6
     sent = np.array(t.column("t_sent").to_pylist())
     assert meta.started_ns <= sent.min() and sent.max() <= meta.ended_ns
-    from kvbench.reports.data import _read_run  # the report's reader aligns them too
+    from kvbench.reports.measures.data import _read_run  # the report's reader aligns them too
 
     rep = np.array(_read_run(run_dir).requests.column("t_sent").to_pylist())
     assert meta.started_ns <= rep.min() and rep.max() <= meta.ended_ns
@@ -251,7 +251,7 @@ def test_open_loop_and_trace_shares_keep_each_session_whole(sessions, count):
     one worker in its order, sessions dealt evenly."""
     from dataclasses import dataclass
 
-    from kvbench.loadgen.pacing import shard_sessions
+    from kvbench.loadgen.plan.pacing import shard_sessions
 
     @dataclass(frozen=True)
     class Req:
@@ -277,7 +277,7 @@ def test_agent_sessions_stay_on_one_worker_in_the_open_loop():
     import itertools
 
     from kvbench.config import load_config
-    from kvbench.loadgen.pacing import cycle_requests
+    from kvbench.loadgen.plan.pacing import cycle_requests
     from kvbench.workloads.registry import make_workload
 
     cfg = load_config(H.ROOT / "bench.toml")

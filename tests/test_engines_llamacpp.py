@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbench import engines
-from kvbench.loadgen.openai import StreamState
-from kvbench.loadgen.sse import SSEParser
+from kvbench.loadgen.timing.openai import StreamState
+from kvbench.loadgen.timing.sse import SSEParser
 
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp"
 LLAMA = engines.get("llamacpp")

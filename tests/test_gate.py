@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvbench.config import GateConfig, GateRule
 from kvbench.core.store import load_results
-from kvbench.reports import gate
+from kvbench.reports.analysis import gate
 from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
 RULES = GateConfig(rules=[

@@ -22,7 +22,7 @@ import pytest
 
 from kvbench.config import GateConfig, GateRule
 from kvbench.core.store import load_results
-from kvbench.reports import gate
+from kvbench.reports.analysis import gate
 from synthetic import RunShape, run_meta, synth_table, write_run
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,8 +13,8 @@ from kvbench.config import GateConfig, GateRule
 from kvbench.core.errors import DataError
 from kvbench.core.schema import REQUESTS
 from kvbench.core.store import load_results
-from kvbench.reports import gate
-from kvbench.reports import metrics as M
+from kvbench.reports.analysis import gate
+from kvbench.reports.statistics import metrics as M
 from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
 RULES = GateConfig(rules=[GateRule(metric="ttft_p50", max_increase_pct=10),

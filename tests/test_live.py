@@ -1,4 +1,4 @@
-"""The live summary (kvbench.loadgen.live) against the reports' own metric definitions, its exact
+"""The live summary (kvbench.loadgen.liveview.live) against the reports' own metric definitions, its exact
 structures against numpy, the shard tail on a shard being written, and kvbench run's progress
 line (kvbench.runs.progress)."""
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvbench.core.schema import ENGINE
 from kvbench.core.store import ShardTail, ShardWriter
-from kvbench.loadgen import live, live_quantiles
-from kvbench.reports import metrics as M
+from kvbench.loadgen.liveview import live, live_quantiles
+from kvbench.reports.statistics import metrics as M
 from kvbench.runs import progress
 from kvbench.core.contract import StagePlan as JobStage
 from kvbench.runs.job import Job, JobEndpoint

@@ -16,8 +16,8 @@ import pytest
 
 from kvbench.core import store
 from kvbench.core.rows import REQUEST_COLUMNS, RowShardWriter
-from kvbench.loadgen import live
-from kvbench.reports import metrics as M
+from kvbench.loadgen.liveview import live
+from kvbench.reports.statistics import metrics as M
 import synthetic
 
 SLO = {"chat": {"ttft_ms": 150.0, "tpot_ms": 25.0}, "rag": {"e2e_ms": 3000.0},

@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.loadgen.client import ChunkedDecoder
+from kvbench.loadgen.timing.client import ChunkedDecoder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     import sys, orjson, urllib.request
     import gevent
     import stream_server as testing
-    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
     proc, url = testing.start(ttft_ms=40, itl_ms=10)
     out = {}
     try:

@@ -17,8 +17,8 @@ import gevent
 import orjson
 import pytest
 
-from kvbench.loadgen import client as client_mod
-from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target, retry_after_s
+from kvbench.loadgen.timing import client as client_mod
+from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target, retry_after_s
 
 BODY = orjson.dumps({"model": "m", "prompt": "a b c", "max_tokens": 2, "stream": True})
 

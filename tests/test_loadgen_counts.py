@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbench.loadgen.pacing import share_of
+from kvbench.loadgen.plan.pacing import share_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 import stream_server as testing  # noqa: E402

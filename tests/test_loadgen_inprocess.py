@@ -21,10 +21,10 @@ import pytest
 import stream_server as testing
 from kvbench.config import parse_config
 from kvbench.core.store import load_results
-from kvbench.loadgen import hooks  # noqa: F401 - registers the event listeners
-from kvbench.loadgen.context import LoadContext
+from kvbench.loadgen.wiring import hooks # noqa: F401 - registers the event listeners
+from kvbench.loadgen.wiring.context import LoadContext
 from kvbench.loadgen.job import JobUser
-from kvbench.loadgen.options import job_from_options
+from kvbench.loadgen.plan.options import job_from_options
 from kvbench.runs import finalize as finalize_module
 from kvbench.core.contract import StagePlan as JobStage
 from kvbench.runs.job import Job, resolve
@@ -212,7 +212,7 @@ def test_answers_ending_together_do_not_stall_the_loop_in_one_pass(server, tmp_p
     import itertools
     import time
 
-    from kvbench.loadgen.looplag import LoopLag
+    from kvbench.loadgen.timing.looplag import LoopLag
 
     job = job_for(tmp_path, server, "chat", "closed")
     env = environment(job.save(tmp_path / "job.json"), server)

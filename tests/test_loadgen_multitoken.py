@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stream_server as testing
-from kvbench.loadgen.openai import StreamState, apportion
-from kvbench.reports.metrics import request_frame
+from kvbench.loadgen.timing.openai import StreamState, apportion
+from kvbench.reports.statistics.metrics import request_frame
 from kvbench.workloads.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def test_explicit_tokenizer_is_used():
 SCRIPT = textwrap.dedent("""
     from gevent import monkey; monkey.patch_all()
     import sys, orjson
-    from kvbench.loadgen.client import ConnectionPool, StreamingClient, Target
+    from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
     url = sys.argv[1]
     c = StreamingClient(ConnectionPool(Target.parse(url)), deadline_s=10)
     out = {}

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.core import store
-from kvbench.loadgen.pacing import OpenLoopDispatcher, StagePlan, gaps_s, shard
+from kvbench.loadgen.plan.pacing import OpenLoopDispatcher, StagePlan, gaps_s, shard
 from kvbench.core.store import read_proc_meta
-from kvbench.loadgen.sink import COLUMNS, RecordSink
+from kvbench.loadgen.timing.sink import COLUMNS, RecordSink
 from kvbench.runs.finalize import merge_proc_meta
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def test_sink_roundtrip_and_sidecar(tmp_path):
 
 KILL = textwrap.dedent("""
     import sys, time, gevent
-    from kvbench.loadgen.sink import RecordSink, COLUMNS
+    from kvbench.loadgen.timing.sink import RecordSink, COLUMNS
     sink = RecordSink(sys.argv[1], flush_interval_s=0.2)
     sink.start()
     i = 0

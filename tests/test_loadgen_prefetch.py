@@ -5,7 +5,7 @@ import gevent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.loadgen.prefetch import Prefetch
+from kvbench.loadgen.wiring.prefetch import Prefetch
 
 
 class Counting:

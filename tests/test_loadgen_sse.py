@@ -2,8 +2,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.loadgen.openai import StreamState, error_message, request_body
-from kvbench.loadgen.sse import SSEParser
+from kvbench.loadgen.timing.openai import StreamState, error_message, request_body
+from kvbench.loadgen.timing.sse import SSEParser
 
 
 def parse_all(chunks):
@@ -230,7 +230,7 @@ def test_malformed_chunks_are_protocol_errors_not_exceptions():
 
 import pytest  # noqa: E402
 
-from kvbench.loadgen.sse import MAX_LINE_BYTES, SSELimitError  # noqa: E402
+from kvbench.loadgen.timing.sse import MAX_LINE_BYTES, SSELimitError  # noqa: E402
 
 
 def split_at(stream, cuts):

@@ -20,7 +20,7 @@ import stream_server as testing
 # Locust patches the whole process with gevent at import: not the test process
 os.environ["LOCUST_SKIP_MONKEY_PATCH"] = "1"
 try:
-    from kvbench.loadgen.tokcheck import CHECK_RESPONSES, TOLERANCE, TokenCheck
+    from kvbench.loadgen.timing.tokcheck import CHECK_RESPONSES, TOLERANCE, TokenCheck
 finally:
     del os.environ["LOCUST_SKIP_MONKEY_PATCH"]
 

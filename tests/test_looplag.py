@@ -7,7 +7,7 @@ import time
 
 import gevent
 
-from kvbench.loadgen.looplag import LoopLag
+from kvbench.loadgen.timing.looplag import LoopLag
 
 
 def _pause_with(block) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from kvbench.core.schema import REQUESTS
 from kvbench.core.store import read_table
-from kvbench.reports import server_traces as T
+from kvbench.reports.analysis import server_traces as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.core.schema import REQUESTS
-from kvbench.reports import metrics as M
-from kvbench.reports import overload as O
+from kvbench.reports.statistics import metrics as M
+from kvbench.reports.analysis import overload as O
 
 MS = 1_000_000
 T0 = 10**18
@@ -113,7 +113,7 @@ def test_no_slo_class_is_left_out_of_goodput_and_attainment():
 
 
 def _report(table: pa.Table, stages: list) -> "ReportData":
-    from kvbench.reports.data import ReportData
+    from kvbench.reports.measures.data import ReportData
 
     empty = pa.table({"endpoint": pa.array([], pa.string())})
     return ReportData(frame=M.request_frame(table, stages=stages), runs=[], paths=[],
@@ -137,7 +137,7 @@ def _late(table: pa.Table, late_ms) -> pa.Table:
     (lambda i: 120.0 if i >= 120 else 0.0, False, True),
 ])
 def test_the_client_is_not_blamed_for_the_servers_backlog(late, overloaded, blamed):
-    from kvbench.reports import diagnose as D
+    from kvbench.reports.analysis import diagnose as D
 
     if overloaded:
         table, stages = _stage(200, 10.0, lambda i: 0.15 * i + 0.05, lambda i: 0.15 * i + 0.5)

@@ -25,11 +25,11 @@ import pytest
 
 from kvbench.config import load_config
 from kvbench.config.parse import classes_without_slo
-from kvbench.reports import diagnose as D
-from kvbench.reports import metrics as M
-from kvbench.reports import overload as O
-from kvbench.reports.data import load
-from kvbench.reports.render import build_context, render_md
+from kvbench.reports.analysis import diagnose as D
+from kvbench.reports.statistics import metrics as M
+from kvbench.reports.analysis import overload as O
+from kvbench.reports.measures.data import load
+from kvbench.reports.rendering.render import build_context, render_md
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from browser import browser_or_skip, offline_page
 from kvbench.cli import main
 from kvbench.core.contract import EndpointEntry
-from kvbench.reports import pareto as P
-from kvbench.reports.data import load
-from kvbench.reports.render import build_context
+from kvbench.reports.analysis import pareto as P
+from kvbench.reports.measures.data import load
+from kvbench.reports.rendering.render import build_context
 from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,12 +14,12 @@ import pytest
 
 from kvbench.config import GateConfig, GateRule
 from kvbench.core.store import load_results
-from kvbench.reports import engine_counters as E
-from kvbench.reports import gate
-from kvbench.reports import metrics as M
-from kvbench.reports.data import load
-from kvbench.reports.diagnose import diagnose
-from kvbench.reports.render import build_context, render_html, render_md
+from kvbench.reports.analysis import engine_counters as E
+from kvbench.reports.analysis import gate
+from kvbench.reports.statistics import metrics as M
+from kvbench.reports.measures.data import load
+from kvbench.reports.analysis.diagnose import diagnose
+from kvbench.reports.rendering.render import build_context, render_html, render_md
 from synthetic import T0_NS, EndpointShape, RunShape, engine_table, run_meta, synth_table, write_run
 
 SLO = {"chat": {"ttft_ms": 500, "tpot_ms": 50}, "rag": {"ttft_ms": 1000, "tpot_ms": 50}}

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvbench.core.store import RunMeta, ShardWriter
-from kvbench.reports import frame as F
-from kvbench.reports.data import load
+from kvbench.reports.measures import frame as F
+from kvbench.reports.measures.data import load
 from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
 
@@ -28,7 +28,7 @@ def shape():
 
 
 def test_parquet_then_live_shards_in_one_frame(tmp_path, shape, monkeypatch):
-    import kvbench.reports.data as data
+    import kvbench.reports.measures.data as data
 
     monkeypatch.setattr(data, "BATCH_ROWS", 64)  # several batches, gaps computed per batch
     table, stages = synth_table(shape)

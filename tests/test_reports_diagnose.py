@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kvbench.reports import diagnose as D
-from kvbench.reports.data import load
+from kvbench.reports.analysis import diagnose as D
+from kvbench.reports.measures.data import load
 from synthetic import (T0_NS, EndpointShape, RunShape, engine_table, run_meta,
                        synth_table, write_run)
 
@@ -53,7 +53,7 @@ def sent(theo, *, lru=None, per_replica=None, requests=200, elsewhere=None, repl
 
 
 def measured_of(d, ep):
-    from kvbench.reports import metrics as M
+    from kvbench.reports.statistics import metrics as M
     return M.hit_ratio(d.frame[d.frame["endpoint"] == ep])
 
 
@@ -160,7 +160,7 @@ def test_prefix_hits_lost_from_engine_counters(tmp_path):
 
 def test_prefix_hits_lost_per_run_when_endpoint_names_repeat(tmp_path):
     """Two runs of an endpoint named alike: each label compares with its own run's summary."""
-    from kvbench.reports.data import load
+    from kvbench.reports.measures.data import load
     shape = RunShape(endpoints=[EndpointShape("ep", "routed", hit_fraction=0.5)])
     m = measured_of(make(tmp_path, shape, name="probe"), "ep")
     for run_id, theo in (("good", m / 0.95), ("bad", 2 * m)):
@@ -343,8 +343,8 @@ def test_loadgen_not_blamed_for_lateness_spent_connecting_to_the_endpoint(tmp_pa
 # a stalled load process (loop-lag monitor in run.json) -------------------------------------
 
 def test_loop_pause_is_shown_beside_lateness_and_blamed_on_the_load_process(tmp_path):
-    from kvbench.reports.render import build_context
-    from kvbench.reports.tables import LOOP_PAUSE
+    from kvbench.reports.rendering.render import build_context
+    from kvbench.reports.rendering.tables import LOOP_PAUSE
 
     shape = RunShape(endpoints=[EndpointShape("colo")])
     table, stages = synth_table(shape)

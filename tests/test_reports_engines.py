@@ -11,9 +11,9 @@ import pytest
 
 from kvbench import engines
 from kvbench.engines import EngineAdapter
-from kvbench.reports import engine_counters as E
-from kvbench.reports.data import load
-from kvbench.reports.render import build_context, render_md
+from kvbench.reports.analysis import engine_counters as E
+from kvbench.reports.measures.data import load
+from kvbench.reports.rendering.render import build_context, render_md
 from synthetic import T0_NS, EndpointShape, RunShape, engine_table, run_meta, synth_table, write_run
 
 LLAMA_HITS = "llamacpp:prompt_tokens_cached_total"

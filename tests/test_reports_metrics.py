@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.core.schema import REQUESTS
-from kvbench.reports import engine_counters as E
-from kvbench.reports import frame as F
-from kvbench.reports import metrics as M
-from kvbench.reports import resampling as R
+from kvbench.reports.analysis import engine_counters as E
+from kvbench.reports.measures import frame as F
+from kvbench.reports.statistics import metrics as M
+from kvbench.reports.statistics import resampling as R
 from synthetic import EndpointShape, RunShape, engine_table, synth_table
 
 MS = 1_000_000

@@ -125,7 +125,7 @@ def test_user_errors(tmp_path, capsys):
 def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
     """Ranked within each workload; a rank says whether the search showed the one above it
     better (its pass above this one's failure, per GPU) or their brackets overlap."""
-    from kvbench.reports.context import _ranked
+    from kvbench.reports.rendering.context import _ranked
 
     def row(ep, wl, cap, fail, gpus, passed=None):
         return {"endpoint": ep, "workload": wl, "capacity": cap, "fail": fail,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.core.errors import UserError
-from kvbench.reports import retention as report
+from kvbench.reports.analysis import retention as report
 from kvbench.runs import retention as R
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.core.store import load_results
-from kvbench.reports import capacity as C
-from kvbench.reports.metrics import request_frame
+from kvbench.reports.analysis import capacity as C
+from kvbench.reports.statistics.metrics import request_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,11 +18,11 @@ from kvbench.config import load_config
 from kvbench.core.contract import StageEntry
 from kvbench.core.errors import UserError
 from kvbench.core.store import load_results
-from kvbench.loadgen.pacing import ClosedLoopStages, StagePlan
-from kvbench.reports import capacity as C
-from kvbench.reports.data import load
-from kvbench.reports.metrics import request_frame
-from kvbench.reports.render import build_context, render_html
+from kvbench.loadgen.plan.pacing import ClosedLoopStages, StagePlan
+from kvbench.reports.analysis import capacity as C
+from kvbench.reports.measures.data import load
+from kvbench.reports.statistics.metrics import request_frame
+from kvbench.reports.rendering.render import build_context, render_html
 from kvbench.core.contract import SearchSpec
 from kvbench.runs.search import Planner
 from kvbench_cli import run_config, tiny_chat_config

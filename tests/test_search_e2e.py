@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from kvbench.core.store import load_results
-from kvbench.reports import capacity as C
-from kvbench.reports.data import load
-from kvbench.reports.metrics import request_frame
-from kvbench.reports.render import build_context, render_html
+from kvbench.reports.analysis import capacity as C
+from kvbench.reports.measures.data import load
+from kvbench.reports.statistics.metrics import request_frame
+from kvbench.reports.rendering.render import build_context, render_html
 from kvbench_cli import run_config, tiny_chat_config
 
 SEQS = 2

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from search_sim import OPTIONS, SimBackend  # noqa: E402
 
-from kvbench.reports.capacity import in_flight_at, not_steady  # noqa: E402
+from kvbench.reports.analysis.capacity import in_flight_at, not_steady  # noqa: E402
 from kvbench.core.contract import SearchSpec  # noqa: E402
 from kvbench.runs import search  # noqa: E402
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvbench.config import load_config
 from kvbench.core.contract import StageEntry
-from kvbench.reports import capacity as C
-from kvbench.reports.resampling import proportion_interval
+from kvbench.reports.analysis import capacity as C
+from kvbench.reports.statistics.resampling import proportion_interval
 from kvbench.core.contract import SearchSpec
 from kvbench.runs.search import Planner, Probe
 

@@ -31,7 +31,7 @@ def add_parser(p) -> None:
 
 
 def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: Path) -> Path:
-    from kvbench.reports.history import last_pass
+    from kvbench.reports.analysis.history import last_pass
 
     if spec == "last-pass":
         return last_pass(results_dir, suite, exclude_run=current.name)
@@ -56,7 +56,7 @@ def run(args) -> int:
 
 
 def _write_error(args, message: str) -> None:
-    from kvbench.reports import gate
+    from kvbench.reports.analysis import gate
 
     try:
         if args.junit:
@@ -68,12 +68,12 @@ def _write_error(args, message: str) -> None:
 
 
 def _run(args) -> int:
-    from kvbench.reports import history
+    from kvbench.reports.analysis import history
     from pydantic import ValidationError
 
     from kvbench.config import GateConfig, load_config, one_sentence
     from kvbench.core.store import load_results
-    from kvbench.reports import gate
+    from kvbench.reports.analysis import gate
     from kvbench.commands.recover import ensure_recovered
 
     current_path = Path(args.current)
@@ -122,8 +122,8 @@ def _run(args) -> int:
 
 
 def _history_rows(results, slo) -> list[dict]:
-    from kvbench.reports.history import KEY_METRICS
-    from kvbench.reports import metrics as M
+    from kvbench.reports.analysis.history import KEY_METRICS
+    from kvbench.reports.statistics import metrics as M
 
     frame = M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
     rows = []

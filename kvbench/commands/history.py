@@ -15,7 +15,7 @@ def add_parser(p) -> None:
 def run(args) -> int:
     import pandas as pd
 
-    from kvbench.reports.history import KEY_METRICS, recent_runs
+    from kvbench.reports.analysis.history import KEY_METRICS, recent_runs
 
     wide = recent_runs(args.results_dir, args.suite, args.limit)
     if wide.empty:

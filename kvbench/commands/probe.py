@@ -1,5 +1,5 @@
 """``kvbench probe retention``: how long a prefix stays cached under background load (the work
-is ``kvbench.runs.retention``; the report ``kvbench.reports.retention``)."""
+is ``kvbench.runs.retention``; the report ``kvbench.reports.analysis.retention``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _floats(text: str, what: str) -> list[float]:
 
 def run(args) -> int:
     from kvbench import engines
-    from kvbench.reports import retention as report
+    from kvbench.reports.analysis import retention as report
     from kvbench.runs import builtin, cache, preflight
     from kvbench.runs import retention as R
     from kvbench.workloads.tokenizer import get_tokenizer

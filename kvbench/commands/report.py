@@ -23,7 +23,7 @@ def add_parser(p) -> None:
 
 
 def run(args) -> int:
-    from kvbench.reports.render import render
+    from kvbench.reports.rendering.render import render
 
     for path in args.results:
         if not path.is_dir():

@@ -128,7 +128,7 @@ class Console:
         """A few numbers per endpoint, computed with the reports' metric definitions;
         requests a stop cut (``cancelled``) are counted apart from errors."""
         from kvbench.core.store import load_results
-        from kvbench.reports import metrics as M
+        from kvbench.reports.statistics import metrics as M
 
         counts = meta.counts
         if meta.interrupted:
@@ -166,7 +166,7 @@ class Console:
     def overloaded(frame) -> None:
         """One line per stage the endpoint could not keep up with (the reports' verdict:
         achieved throughput and first tokens/s both clearly below the offered rate)."""
-        from kvbench.reports import overload
+        from kvbench.reports.analysis import overload
 
         rates = overload.rates(frame)
         for _, r in rates[rates["overloaded"].fillna(False).astype(bool)].iterrows():
@@ -179,8 +179,8 @@ class Console:
     def capacity(frame, meta) -> None:
         """A capacity search's result per endpoint x workload: the capacity at SLO as the
         report words it (``reports.capacity.capacity_text``), its bracket, what broke."""
-        from kvbench.reports import capacity as C
-        from kvbench.reports.render import fmt
+        from kvbench.reports.analysis import capacity as C
+        from kvbench.reports.rendering.render import fmt
 
         for c in C.summarise(meta.stages or [], frame, meta.slo):
             u = c.unit

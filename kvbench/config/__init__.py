@@ -2,7 +2,7 @@
 
 Composed of each concern's own spec module: workload kinds (``kvbench.workloads.registry``),
 endpoints (``endpoints``), load profiles (``load``), SLOs and gate rules
-(``kvbench.reports.spec``), collection (``kvbench.collectors.spec``). Every error is one
+(``kvbench.reports.measures.spec``), collection (``kvbench.collectors.spec``). Every error is one
 sentence naming the file, the field and the fix, raised as ``UserError``.
 """
 
@@ -18,7 +18,7 @@ from kvbench.config.endpoints import (
 )
 from kvbench.config.load import LoadProfile, Stage
 from kvbench.config.parse import load_config, one_sentence, parse_config
-from kvbench.reports.spec import SLO, GateConfig, GateRule
+from kvbench.reports.measures.spec import SLO, GateConfig, GateRule
 from kvbench.workloads.specs import Strict
 
 __all__ = [

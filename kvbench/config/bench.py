@@ -10,7 +10,7 @@ from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
 from kvbench.config.load import CacheMode, LoadProfile
 from kvbench.core import redact
-from kvbench.reports.spec import SLO, GateConfig
+from kvbench.reports.measures.spec import SLO, GateConfig
 from kvbench.workloads import registry
 from kvbench.workloads.specs import KindSpec, Name, Strict
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from kvbench.config.bench import BenchConfig
 from kvbench.config.endpoints import ENDPOINT_KINDS
 from kvbench.core.errors import UserError
-from kvbench.reports.spec import DEFAULT_SLOS
+from kvbench.reports.measures.spec import DEFAULT_SLOS
 from kvbench.workloads import registry
 from kvbench.workloads.specs import NAME_PATTERN
 

@@ -335,7 +335,7 @@ def endpoint_caches(run_dir: Path, endpoint_cfgs=()) -> dict:
         t = None
     if t is not None and t.num_rows:
         # imported here: it brings pandas (+40 MB), which a load process never needs
-        from kvbench.reports.engine_counters import adapters as engine_adapters
+        from kvbench.reports.analysis.engine_counters import adapters as engine_adapters
 
         for ep, adapter in engine_adapters(t).items():
             if adapter.cache_config is None:

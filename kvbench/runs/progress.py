@@ -2,7 +2,7 @@
 requests done, the current TTFT p50 and the error count, redrawn in place about once a second.
 
 The load processes tell it through ``live-<host>-<pid>.json`` in the run directory (written by
-``kvbench.loadgen.live`` once a second under kvbench run, removed when the process closes its
+``kvbench.loadgen.liveview.live`` once a second under kvbench run, removed when the process closes its
 records): counts per stage, the stage now open and its recent TTFTs, so the p50 is exact over
 the processes' last requests. Quiet when stdout is not a terminal (CI logs stay readable: the
 per-job lines are all they get).

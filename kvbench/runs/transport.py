@@ -1,5 +1,5 @@
 """Records that travel from Locust workers to their master, with no shared disk (issue 15): the
-pure parts, free of Locust, gevent and pyarrow (``kvbench.loadgen.distributed`` does the
+pure parts, free of Locust, gevent and pyarrow (``kvbench.loadgen.fleet.distributed`` does the
 messaging).
 
 A worker's sink writes each batch to its own local spool as before and also hands it to an

@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from kvbench.core.store import load_results, read_table
-from kvbench.reports import retention as retention_report
-from kvbench.reports import server_traces
-from kvbench.reports.cache_verify import cache_rows
-from kvbench.reports.data import load
+from kvbench.reports.analysis import retention as retention_report
+from kvbench.reports.analysis import server_traces
+from kvbench.reports.analysis.cache_verify import cache_rows
+from kvbench.reports.measures.data import load
 
 import setup_engines as E
 

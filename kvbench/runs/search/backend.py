@@ -110,7 +110,7 @@ class LocustBackend:
 
 def _record_columns() -> list[str]:
     """The record columns a probe's verdict reads."""
-    from kvbench.reports.frame import FRAME_COLUMNS
+    from kvbench.reports.measures.frame import FRAME_COLUMNS
 
     return sorted(set(FRAME_COLUMNS) | {"chunk_offsets_ns", "request_id", "worker"})
 
@@ -125,7 +125,7 @@ def _frames(job, index: int, slo: dict, requests, starts):
     import pyarrow.compute as pc
 
     from kvbench.core.schema import TABLES
-    from kvbench.reports.frame import request_frame
+    from kvbench.reports.measures.frame import request_frame
 
     def mine(t):
         m = pc.and_(pc.and_(pc.equal(t.column("endpoint"), job.endpoint.name),

@@ -1,0 +1,152 @@
+"""kvbench's Locust arguments (with ``env_var``, so locust.conf, ``[tool.locust]`` and the
+environment work) and the job they resolve to: ``--kvbench-job`` as written by ``kvbench run``,
+else ``kvbench.runs.job.resolve`` over ``--kvbench-config`` and the other options."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from locust import events
+
+from kvbench.core.errors import UserError
+from kvbench.core.rows import new_run_id
+from kvbench.loadgen.plan.pacing import PACINGS
+from kvbench.core.contract import StagePlan
+from kvbench.runs.job import FOREVER_S, Job, resolve
+
+
+@events.init_command_line_parser.add_listener
+def add_arguments(parser) -> None:
+    g = parser  # (argument groups lose Locust's web-UI options)
+    g.add_argument("--kvbench-job", env_var="KVBENCH_JOB", default="",
+                   help="a resolved job file (written by kvbench run); the options below are "
+                        "then ignored")
+    g.add_argument("--kvbench-config", env_var="KVBENCH_CONFIG", default="",
+                   help="bench.toml to take the workload, endpoint and profile from")
+    g.add_argument("--kvbench-workload", env_var="KVBENCH_WORKLOAD", default="",
+                   help="[workloads.<name>] of the config, or module:factory; default: the "
+                        "locustfile's own")
+    g.add_argument("--kvbench-results", env_var="KVBENCH_RESULTS", default="results",
+                   help="results directory (records go to <dir>/<run id>/)")
+    g.add_argument("--kvbench-run-id", env_var="KVBENCH_RUN_ID", default="",
+                   help="run id (default: a new one)")
+    g.add_argument("--kvbench-endpoint", env_var="KVBENCH_ENDPOINT", default="",
+                   help="name of an [[endpoints]] entry of the config (name, model, topology)")
+    g.add_argument("--kvbench-topology", env_var="KVBENCH_TOPOLOGY", default="",
+                   help="topology recorded for the target (default: config's or unknown)")
+    g.add_argument("--kvbench-model", env_var="KVBENCH_MODEL", default="",
+                   help="model name to request (default: config's, else first of /v1/models)")
+    g.add_argument("--kvbench-api-key-env", env_var="KVBENCH_API_KEY_ENV", default="",
+                   help="name of the environment variable holding the API key")
+    g.add_argument("--kvbench-profile", env_var="KVBENCH_PROFILE", default="",
+                   help="[profiles.<name>] of the config to take pacing and stages from")
+    g.add_argument("--kvbench-pacing", env_var="KVBENCH_PACING", default="",
+                   choices=("",) + PACINGS, help="closed (Locust users) or an open-loop pacing")
+    g.add_argument("--kvbench-rates", env_var="KVBENCH_RATES", default="",
+                   help="open-loop rates in requests/s, one per stage: 2,6,10")
+    g.add_argument("--kvbench-stage-duration", env_var="KVBENCH_STAGE_DURATION", default="",
+                   help="seconds per stage (one value, or one per stage)")
+    g.add_argument("--kvbench-requests", env_var="KVBENCH_REQUESTS", type=int, default=0,
+                   help="end the run after this many requests were sent (all processes "
+                        "together; in flight ones finish): a run of exactly N requests")
+    g.add_argument("--kvbench-gamma-cv", env_var="KVBENCH_GAMMA_CV", type=float, default=0.0,
+                   help="coefficient of variation of gamma gaps (burstiness)")
+    g.add_argument("--kvbench-max-in-flight", env_var="KVBENCH_MAX_IN_FLIGHT", type=int,
+                   default=0, help="open-loop cap on requests in flight (arrivals over it are "
+                                   "dropped and counted)")
+    g.add_argument("--kvbench-timeout", env_var="KVBENCH_TIMEOUT", type=float, default=0.0,
+                   help="whole-request deadline in seconds")
+    g.add_argument("--kvbench-cold-connections", env_var="KVBENCH_COLD_CONNECTIONS",
+                   action="store_true", default=False,
+                   help="a new connection per request (its setup recorded in connect_ns)")
+    g.add_argument("--kvbench-ignore-eos", env_var="KVBENCH_IGNORE_EOS", action="store_true",
+                   default=False, help="send ignore_eos (vLLM/SGLang) to get max_tokens exactly")
+    g.add_argument("--kvbench-stage-index", env_var="KVBENCH_STAGE_INDEX", type=int, default=0,
+                   help="stage index recorded for a closed-loop run", include_in_web_ui=False)
+    g.add_argument("--kvbench-no-finalize", env_var="KVBENCH_NO_FINALIZE", action="store_true",
+                   default=False, include_in_web_ui=False,
+                   help="leave shards for kvbench run to compact (no run.json here)")
+    g.add_argument("--kvbench-workers", type=int, default=0, include_in_web_ui=False,
+                   help=argparse.SUPPRESS)
+
+
+def has_kvbench_options(o) -> bool:
+    return o is not None and hasattr(o, "kvbench_run_id")
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UserError(f"--kvbench-{what} {text!r}: give numbers separated by commas, "
+                        "e.g. 2,6,10") from None
+
+
+def _stages(o) -> list[StagePlan] | None:
+    """The stage plan the options give (None: the profile's)."""
+    rates = _floats(o.kvbench_rates, "rates")
+    durs = _floats(o.kvbench_stage_duration, "stage-duration")
+    if not (rates or durs):
+        return None
+    n = max(len(rates), len(durs), 1)
+    rates = rates or [None] * n
+    durs = durs or [FOREVER_S]
+    return [StagePlan(i, durs[min(i, len(durs) - 1)], rates[min(i, len(rates) - 1)])
+            for i in range(n)]
+
+
+def _count(n: int) -> int | None:
+    if n < 0:
+        raise UserError(f"--kvbench-requests {n}: give a positive count of requests (0: no "
+                        "limit)")
+    return n or None
+
+
+def _config(o):
+    if not o.kvbench_config:
+        return None
+    from kvbench.config import load_config
+
+    return load_config(o.kvbench_config)
+
+
+def run_id(o) -> str:
+    """The run id the options name, else a new one (the master's is synced to its workers)."""
+    if o.kvbench_run_id:
+        return o.kvbench_run_id
+    if o.kvbench_job:
+        return Job.load(o.kvbench_job).run_id
+    cfg = _config(o)
+    return new_run_id(cfg.suite.name if cfg is not None else "locust")
+
+
+def run_dir(o) -> Path:
+    """The run directory the options name: the job file's, else ``--kvbench-results`` /
+    ``--kvbench-run-id`` (the master, which builds no load context, and its workers alike)."""
+    if o.kvbench_job:
+        return Job.load(o.kvbench_job).run_dir
+    return Path(o.kvbench_results) / o.kvbench_run_id
+
+
+def job_from_options(o, host: str | None, default_workload: str, *,
+                     lookup_model: bool = True) -> Job:
+    """The job of this Locust run: the job file when given, else resolved from the options."""
+    if o.kvbench_job:
+        return Job.load(o.kvbench_job)
+    workload = o.kvbench_workload or default_workload
+    if not workload:
+        raise UserError("this locustfile runs a job: pass --kvbench-job FILE (kvbench run "
+                        "writes one) or --kvbench-workload NAME")
+    return resolve(
+        _config(o), workload=workload,
+        endpoint=o.kvbench_endpoint or None, url=host, topology=o.kvbench_topology or None,
+        model=o.kvbench_model or None, api_key_env=o.kvbench_api_key_env or None,
+        profile=o.kvbench_profile or None, pacing=o.kvbench_pacing or None,
+        stages=_stages(o), stage_index=o.kvbench_stage_index,
+        gamma_cv=o.kvbench_gamma_cv or None, max_in_flight=o.kvbench_max_in_flight or None,
+        timeout_s=o.kvbench_timeout or None, cold_connections=o.kvbench_cold_connections,
+        ignore_eos=o.kvbench_ignore_eos, run_id=o.kvbench_run_id,
+        max_requests=_count(o.kvbench_requests),
+        results_dir=o.kvbench_results, lookup_model=lookup_model,
+        where=o.kvbench_config or "the config")

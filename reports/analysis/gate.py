@@ -1,0 +1,363 @@
+"""The nightly gate: a noise-aware comparison of a run with its baseline.
+
+For each rule the statistic is bootstrapped in both runs (``reports.metrics``: the same metric
+definitions as the report), the replicates are paired at random, and the ratio current /
+baseline gets a percentile confidence interval. A relative rule (``max_increase_pct``,
+``max_decrease_pct``) turns the allowed change into a ratio limit; an absolute rule
+(``max_value``) bounds the current statistic itself.
+
+Verdicts: ``pass`` when the whole interval is within the limit, ``fail`` when the whole
+interval lies beyond it, ``inconclusive`` when it straddles the limit (the change may be noise).
+A gate never passes on nothing: a run without records, a rule over a class or endpoint one run
+lacks, or no check at all is a ``DataError`` (exit 3), not a verdict. In a paired comparison
+the values shown and the interval are both taken over the matched requests.
+
+Rates (``*_rps``, ``*_tps``) are counts over a fixed stage wall time. Resampling requests keeps
+their number fixed, which is right when both runs replayed the same seeded arrival schedule; when
+the schedules differ (another seed, rate, duration, workload or pacing) the number of arrivals
+is itself random, so each replicate is also scaled by Poisson(n) / n (the count of a Poisson
+process in a fixed window). Without it two A/A runs with different seeds "fail" goodput on a
+zero-width interval.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from xml.sax.saxutils import escape, quoteattr
+
+import numpy as np
+import pandas as pd
+
+from kvbench.core.errors import DataError, UserError
+from kvbench.core.store import RunMeta
+from kvbench.reports.statistics import metrics as M
+
+VERDICT_ORDER = {"pass": 0, "inconclusive": 1, "fail": 2}
+
+
+@dataclass(frozen=True)
+class RuleResult:
+    metric: str
+    endpoint: str
+    request_class: str
+    kind: str  # "relative" | "absolute"
+    limit: float  # ratio limit (relative) or absolute ceiling, in the metric's unit
+    baseline: float  # NaN for absolute rules
+    current: float
+    low: float  # CI of the ratio (relative) or of the current value (absolute)
+    high: float
+    n_baseline: int
+    n_current: int
+    verdict: str
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric}[endpoint={self.endpoint},class={self.request_class}]"
+
+    def describe(self) -> str:
+        unit = M.METRIC_INFO[self.metric].unit
+        if self.kind == "relative":
+            change = (self.current / self.baseline - 1) * 100 if self.baseline else math.nan
+            return (f"{self.metric} {self.baseline:.4g} -> {self.current:.4g} {unit} "
+                    f"({change:+.1f}%), ratio CI [{self.low:.3f}, {self.high:.3f}] vs limit "
+                    f"{self.limit:.3f}{'; ' + self.note if self.note else ''}")
+        return (f"{self.metric} {self.current:.4g} {unit}, CI [{self.low:.4g}, {self.high:.4g}] "
+                f"vs max {self.limit:.4g}{'; ' + self.note if self.note else ''}")
+
+
+def _frame(results, slo: dict | None) -> pd.DataFrame:
+    return M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
+
+
+def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFrame:
+    rows = np.asarray(frame["endpoint"] == endpoint)
+    if request_class != "*":
+        # not in place: pandas may hand back a read-only view
+        rows = rows & np.asarray(frame["request_class"] == request_class)
+    return frame[rows]
+
+
+def _schedule(meta: RunMeta, endpoint: str) -> tuple:
+    """What fixes the arrivals an endpoint saw: seed, workloads and its stages' pacing."""
+    cfg = meta.config
+    stages = sorted((str(s.workload), int(s.index or 0), s.pacing, s.rate_rps, s.duration_s,
+                     s.users) for s in meta.stages if s.endpoint == endpoint)
+    # every workload table: a mix's components live under their own names
+    wl = cfg.get("workloads") or {}
+    return ((cfg.get("suite") or {}).get("seed"), repr(sorted(wl.items())), tuple(stages))
+
+
+def same_schedule(baseline_meta: RunMeta, current_meta: RunMeta, endpoint: str) -> bool:
+    """True when both runs replayed the same seeded open-loop arrivals at ``endpoint``."""
+    b, c = _schedule(baseline_meta, endpoint), _schedule(current_meta, endpoint)
+    open_loop = all(st[2] not in (None, "closed") for st in c[2])
+    return bool(c[2]) and open_loop and b == c
+
+
+PAIRED_MIN = 30  # fewer matched requests than this: the unpaired interval is used
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired comparison: the statistic in each run over the matched requests only, and the
+    replicates of their ratio over the same requests."""
+
+    baseline: float
+    current: float
+    ratio: np.ndarray
+    pairs: int
+
+
+def _paired_ratio(fb: pd.DataFrame, fc: pd.DataFrame, info: M.Metric, resamples: int,
+                  rng: np.random.Generator) -> Paired | None:
+    """Estimates and replicates of current/baseline for a per-request quantile or mean over
+    the requests both runs sent (matched on session and turn), resampled with the same
+    indices in both. The estimates are taken over those same requests, so the change shown
+    and its interval describe one set of requests.
+
+    With the same seeded schedule, request i is the same prompt at the same offset in both
+    runs, so its latencies are correlated; resampling pairs measures the noise of the
+    difference instead of the two runs' spreads added together. Metrics that are not a
+    statistic of per-request values (ITL's pooled gaps, rates) keep the unpaired interval."""
+    if not info.paired:
+        return None
+    kb, kc = _request_keys(fb), _request_keys(fc)
+    common, ib, ic = np.intersect1d(kb, kc, assume_unique=False, return_indices=True)
+    if len(common) < PAIRED_MIN:
+        return None
+    # A guard against ids that match but requests that do not: the same prompt has the same
+    # length in both runs.
+    pb = fb["prompt_tokens"].to_numpy(np.float64)[ib]
+    pc_ = fc["prompt_tokens"].to_numpy(np.float64)[ic]
+    if np.mean(pb == pc_) < 0.9:
+        return None
+    vb, vc = info.request_values(fb)[ib], info.request_values(fc)[ic]
+    ratio, n = info.paired_replicates(vb, vc, resamples, rng)
+    return Paired(info.of(vb), info.of(vc), ratio, n)
+
+
+def _request_keys(f: pd.DataFrame) -> np.ndarray:
+    """session and turn of each request, as one string (a missing session is "")."""
+    sess = f["session_id"].astype(object).fillna("").astype(str)
+    turn = pd.Series(f["turn"].to_numpy(), index=sess.index).astype(object).fillna("").astype(str)
+    return (sess + "\x1f" + turn).to_numpy()
+
+
+def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
+    reps = reps[np.isfinite(reps)]
+    if len(reps) == 0:
+        return math.nan, math.nan
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(reps, [a, 1 - a])
+    return float(lo), float(hi)
+
+
+def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
+             seed: int = 0) -> list[RuleResult]:
+    """Every rule of ``gate_cfg`` (kvbench.config.GateConfig) on two ``Results``."""
+    if not gate_cfg.rules:
+        raise UserError("the gate has no rules; add [gate] rules to bench.toml")
+    slo = slo if slo is not None else current.meta.slo
+    cur = _frame(current, slo)
+    base = _frame(baseline, slo) if baseline is not None else None
+    endpoints_cur = list(cur["endpoint"].cat.categories) if len(cur) else []
+    if not len(cur):
+        raise DataError(f"{_where(current)}: the current run has no records, so the gate has "
+                        "nothing to judge (not a pass); check that the run sent requests")
+    if base is not None and not len(base):
+        raise DataError(f"{_where(baseline)}: the baseline run has no records, so the gate "
+                        "has nothing to compare with (not a pass); choose another --baseline")
+    out: list[RuleResult] = []
+    for i, rule in enumerate(gate_cfg.rules):
+        try:
+            metric = M.metric_name(rule.metric)
+        except UserError as exc:
+            raise DataError(f"gate rule {i} ({rule.metric}): {exc}") from None
+        if rule.endpoint == "*":
+            eps = endpoints_cur
+        elif rule.endpoint in endpoints_cur:
+            eps = [rule.endpoint]
+        else:
+            raise DataError(f"gate rule {i} names endpoint {rule.endpoint!r}, which the current "
+                            f"run does not have; use one of {endpoints_cur} or \"*\"")
+        for ep in eps:
+            _require_records(i, rule, metric, ep, cur, current, "current")
+            if base is not None and rule.max_value is None:
+                _require_records(i, rule, metric, ep, base, baseline, "baseline")
+            shared = baseline is not None and same_schedule(baseline.meta, current.meta, ep)
+            out.append(_one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i,
+                            shared_schedule=shared))
+    if not out:
+        raise DataError(f"{_where(current)}: the gate evaluated no check (no rule matched an "
+                        "endpoint of the current run), which is not a pass; fix the [gate] "
+                        "rules' endpoint names")
+    return out
+
+
+def _where(results) -> str:
+    return str(getattr(results, "path", None) or "run")
+
+
+def _require_records(i: int, rule, metric: str, endpoint: str, frame: pd.DataFrame, results,
+                     side: str) -> None:
+    """A rule over a class (or endpoint) with no records in a run is an error, not a check."""
+    if len(_select(frame, endpoint, rule.request_class)):
+        return
+    cls = "any class" if rule.request_class == "*" else f"class {rule.request_class!r}"
+    raise DataError(f"{_where(results)}: the {side} run has no records of endpoint "
+                    f"{endpoint!r} and {cls}, so gate rule {i} ({metric}) cannot be judged "
+                    "(not a pass); fix the rule's class or endpoint, or choose runs that "
+                    "sent those requests")
+
+
+def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
+         shared_schedule: bool = False) -> RuleResult:
+    info = M.METRIC_INFO[metric]
+    conf, b = gate_cfg.confidence, gate_cfg.bootstrap_resamples
+    fc = _select(cur, endpoint, rule.request_class)
+    est_c, reps_c = M.bootstrap_replicates(fc, metric, b, seed)
+    common = dict(metric=metric, endpoint=endpoint, request_class=rule.request_class,
+                  n_current=len(fc))
+    if rule.max_value is not None:
+        lo, hi = _interval(reps_c, conf)
+        if len(fc) == 0 or math.isnan(est_c):
+            verdict, note = "inconclusive", "no data in the current run"
+        elif hi <= rule.max_value or (lo == hi == est_c and est_c <= rule.max_value):
+            verdict, note = "pass", ""
+        elif lo > rule.max_value:
+            verdict, note = "fail", ""
+        else:
+            verdict, note = "inconclusive", ""
+        return RuleResult(kind="absolute", limit=rule.max_value, baseline=math.nan,
+                          current=est_c, low=lo, high=hi, n_baseline=0, verdict=verdict,
+                          note=note, **common)
+    if base is None:
+        raise DataError(f"gate rule {rule.metric} is relative and needs a baseline; give "
+                        "--baseline")
+    fb = _select(base, endpoint, rule.request_class)
+    est_b, reps_b = M.bootstrap_replicates(fb, metric, b, seed + 1)
+    if rule.max_increase_pct is not None:
+        limit = 1 + rule.max_increase_pct / 100
+    else:
+        limit = 1 - rule.max_decrease_pct / 100
+    increase_rule = rule.max_increase_pct is not None
+    note = ""
+    if len(fb) == 0 or len(fc) == 0 or math.isnan(est_b) or math.isnan(est_c):
+        lo = hi = math.nan
+        verdict, note = "inconclusive", "no data for this endpoint and class in one of the runs"
+    elif est_b == 0:
+        lo = hi = math.nan
+        if est_c == 0:
+            verdict, note = "pass", "zero in both runs"
+        else:
+            verdict, note = "inconclusive", "baseline is zero: a ratio is undefined"
+    else:
+        rng = np.random.default_rng(seed + 2)
+        noisy_b = None if shared_schedule else info.schedule_noise(reps_b, len(fb), rng)
+        if noisy_b is not None:
+            reps_b, reps_c = noisy_b, info.schedule_noise(reps_c, len(fc), rng)
+            note = "arrival schedules differ: the rate's interval includes Poisson count noise"
+        paired = _paired_ratio(fb, fc, info, b, rng) if shared_schedule else None
+        if paired is not None:
+            ratio, est_b, est_c = paired.ratio, paired.baseline, paired.current
+            note = (f"paired bootstrap over {paired.pairs} requests replayed in both runs "
+                    "(same seeded schedule); both values over those requests")
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = reps_c / reps_b[rng.permutation(len(reps_b))]
+        lo, hi = _interval(ratio, conf)
+        if math.isnan(lo):
+            verdict = "inconclusive"
+        elif increase_rule:
+            verdict = "pass" if hi <= limit else "fail" if lo > limit else "inconclusive"
+        else:
+            verdict = "pass" if lo >= limit else "fail" if hi < limit else "inconclusive"
+    if increase_rule == info.higher_is_better:
+        warn = ("this rule bounds an increase of a higher-is-better metric" if increase_rule
+                else "this rule bounds a decrease of a lower-is-better metric")
+        note = f"{note}; {warn}" if note else warn
+    return RuleResult(kind="relative", limit=limit, baseline=est_b, current=est_c, low=lo,
+                      high=hi, n_baseline=len(fb), verdict=verdict, note=note, **common)
+
+
+def overall(results: list[RuleResult]) -> str:
+    """The worst verdict; no results is not a pass (``evaluate`` never returns none)."""
+    if not results:
+        raise DataError("the gate evaluated no check, which is not a pass")
+    return max((r.verdict for r in results), key=VERDICT_ORDER.__getitem__)
+
+
+def exit_code(verdict: str, strict: bool = False) -> int:
+    """0 pass, 1 fail, 2 inconclusive when ``strict`` (else 0)."""
+    return {"pass": 0, "fail": 1, "inconclusive": 2 if strict else 0}[verdict]
+
+
+def junit_xml(results: list[RuleResult], suite: str = "kvbench-gate") -> str:
+    """JUnit XML, one test case per rule and endpoint; inconclusive rules are 'skipped'."""
+    fails = sum(r.verdict == "fail" for r in results)
+    skips = sum(r.verdict == "inconclusive" for r in results)
+    lines = ['<?xml version="1.0" encoding="UTF-8"?>',
+             f'<testsuite name={quoteattr(suite)} tests="{len(results)}" failures="{fails}" '
+             f'skipped="{skips}" errors="0">']
+    for r in results:
+        lines.append(f'  <testcase classname={quoteattr(suite)} name={quoteattr(r.name)}>')
+        if r.verdict == "fail":
+            lines.append(f'    <failure message={quoteattr(r.describe())}/>')
+        elif r.verdict == "inconclusive":
+            lines.append(f'    <skipped message={quoteattr("inconclusive: " + r.describe())}/>')
+        lines.append(f"    <system-out>{escape(r.describe())}</system-out>")
+        lines.append("  </testcase>")
+    lines.append("</testsuite>")
+    return "\n".join(lines) + "\n"
+
+
+def junit_error(message: str, suite: str = "kvbench-gate") -> str:
+    """JUnit XML for a gate that could not judge: one test case in error, so CI shows it
+    instead of an empty (passing) suite."""
+    return "\n".join([
+        '<?xml version="1.0" encoding="UTF-8"?>',
+        f'<testsuite name={quoteattr(suite)} tests="1" failures="0" skipped="0" errors="1">',
+        f'  <testcase classname={quoteattr(suite)} name="gate">',
+        f'    <error message={quoteattr(message)}/>',
+        "  </testcase>", "</testsuite>"]) + "\n"
+
+
+_ICON = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE"}
+
+
+def markdown(results: list[RuleResult], baseline_label: str, current_label: str,
+             confidence: float) -> str:
+    verdict = overall(results)
+    out = [f"### kvbench gate: **{_ICON[verdict]}**", "",
+           f"Baseline `{baseline_label}`, current `{current_label}`; "
+           f"{confidence:.0%} bootstrap intervals of current / baseline.", "",
+           "| verdict | metric | endpoint | class | baseline | current | change | interval | limit |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.kind == "relative":
+            change = f"{(r.current / r.baseline - 1) * 100:+.1f}%" if r.baseline else "n/a"
+            interval = f"[{r.low:.3f}, {r.high:.3f}]"
+            limit = f"ratio {'<=' if r.limit >= 1 else '>='} {r.limit:.3f}"
+            base = f"{r.baseline:.4g}"
+        else:
+            change, base = "", ""
+            interval = f"[{r.low:.4g}, {r.high:.4g}]"
+            limit = f"<= {r.limit:.4g}"
+        out.append(f"| {_ICON[r.verdict]} | {r.metric} | {_md(r.endpoint)} | "
+                   f"{_md(r.request_class)} | {base} | {r.current:.4g} | {change} | {interval} | "
+                   f"{limit} |")
+    return "\n".join(out) + "\n"
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def to_records(results: list[RuleResult]) -> list[dict]:
+    """Plain dicts (for run.json and the HTML report's gate section)."""
+    return [{"metric": r.metric, "endpoint": r.endpoint, "request_class": r.request_class,
+             "kind": r.kind, "limit": r.limit, "baseline": r.baseline, "current": r.current,
+             "low": r.low, "high": r.high, "verdict": r.verdict, "note": r.note,
+             "text": r.describe()} for r in results]

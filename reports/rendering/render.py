@@ -1,0 +1,76 @@
+"""Render a comparison/bake-off report (one self-contained HTML file, or Markdown for CI logs)
+from the template context ``reports.context`` builds.
+
+Everything the HTML needs is inlined (plotly.js once, styles, figure JSON), so it opens with no
+network now and in a year. Text from endpoints goes through Jinja autoescape; figure JSON is
+escaped so that no string inside it can close its <script> element.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from kvbench.reports.rendering.cells import fmt
+from kvbench.reports.rendering.context import build_context
+
+
+def _env() -> Environment:
+    env = Environment(loader=PackageLoader("kvbench.reports.rendering", "templates"),
+                      autoescape=select_autoescape(["html", "j2"], default=True),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["fmt"] = fmt
+    env.filters["script_json"] = script_json
+    return env
+
+
+def script_json(obj) -> str:
+    """JSON that is safe inside <script>: no '<', '>', '&' or line separators in the text."""
+    import plotly.utils
+
+    s = json.dumps(obj, cls=plotly.utils.PlotlyJSONEncoder, separators=(",", ":"))
+    return (s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def render_html(ctx: dict) -> str:
+    from markupsafe import Markup
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    if "</script" in js.lower():  # would end the inline element early
+        js = js.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
+    figs = [{"key": f["key"], "title": f["title"], "note": f["note"],
+             "json": Markup(script_json({"data": f["data"], "layout": f["layout"]}))}
+            for f in ctx["figures"]]
+    tpl = _env().get_template("report.html.j2")
+    return tpl.render(**{**ctx, "figures": figs}, plotly_js=Markup(js))
+
+
+def md_escape(text) -> str:
+    s = str(text)
+    for ch in "\\`*_[]<>|":
+        s = s.replace(ch, "\\" + ch)
+    return s.replace("\n", " ")
+
+
+def render_md(ctx: dict) -> str:
+    env = Environment(loader=PackageLoader("kvbench.reports.rendering", "templates"), autoescape=False,
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["md"] = md_escape
+    return env.get_template("report.md.j2").render(**ctx)
+
+
+def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
+           title: str | None = None) -> str:
+    from kvbench.reports.measures.data import load
+
+    d = load(paths, slo=slo)
+    ctx = build_context(d, title, figures=fmt_ == "html")
+    return render_html(ctx) if fmt_ == "html" else render_md(ctx)
+
+
+__all__ = ["render", "render_html", "render_md", "build_context"]

@@ -1,0 +1,2 @@
+"""Estimates over requests and their intervals: the bootstrap engine, the metric kinds and the
+registry every reported figure is evaluated through."""
