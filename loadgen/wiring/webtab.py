@@ -167,10 +167,10 @@ def _run_dir(environment) -> Path | None:
     o = environment.parsed_options
     if not getattr(o, "kvbench_run_id", None) and not getattr(o, "kvbench_job", None):
         return None
-    from kvbench.loadgen.wiring.hooks import _run_dir as run_dir
+    from kvbench.loadgen.plan.options import run_dir
 
     try:
-        return run_dir(environment, None)
+        return run_dir(o)
     except Exception:  # noqa: BLE001 - no run directory: no telemetry figures
         return None
 
