@@ -1,4 +1,6 @@
 """The run contract: every piece of a run's metadata as one typed class, written and read as such.
+(Above 400 lines: one class per piece of a run's metadata and the strict check generated from
+them, kept in one file so that a field is added in one place.)
 
 A stage, an endpoint, a search probe's note, a job's cache state, an SLO, a load process's
 sidecar and run.json itself are each one class here. Every writer fills these classes (the
@@ -12,9 +14,6 @@ a finished run checks a run.json's types first (``check``: pydantic in strict mo
 generated from these same classes, so "7" is not an int and true is not a number). Keys this
 version does not know (written by another version of the same schema) are kept in ``extra``
 and written back as they were.
-
-(Above 400 lines: one class per piece of a run's metadata and the strict check generated from
-them, kept in one file so that a field is added in one place.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Arrival pacing. Open loop: one dispatcher per process starts requests at scheduled times
 regardless of responses. Closed loop: Locust users, one session each (see user.py).
+(Over 400 lines: the open-loop dispatcher and the closed-loop stages share the stage plan, the
+cancel and the drain, and are read best side by side.)
 
 Poisson means exponential gaps drawn one by one and never rescaled to fit a duration (a
 rescaled sequence is no longer a Poisson process). Gamma gaps have mean ``1/rate`` and the given

@@ -1,6 +1,8 @@
 """The load context: what one Locust process shares (target, record sink, workload, pacing),
 built from a resolved ``Job`` and kept on Locust's environment as ``environment.kvbench``, so
-users, hooks and the dispatcher work on any ``Environment``, in process or not."""
+users, hooks and the dispatcher work on any ``Environment``, in process or not.
+(Over 400 lines, kept whole: one object whose sending, recording, stages and close share the
+sink, the stage in progress and the stop.)"""
 
 from __future__ import annotations
 

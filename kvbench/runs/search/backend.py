@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from pathlib import Path
 
 from kvbench.core.contract import ProcMeta
 from kvbench.runs import lifeline

@@ -16,7 +16,7 @@ def why_text(v, target: float = 0.95, confidence: float = 0.95) -> str:
     w = v.worst
     if w is None:
         return "no request with an SLO"
-    from kvbench.reports.analysis.capacity import thin_text
+    from kvbench.reports.analysis.verdict import thin_text
 
     miss = f", mostly {w.missed}" if w.missed and w.attainment < 1 else ""
     thin = thin_text(v.classes, target, confidence)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbench.runs.search.control import Probe, control_path, read_control
+from kvbench.runs.search.control import control_path, read_control
 
 FEED_WAIT_S = 120.0  # a child with no control file for this long ends (no kvbench run)
 

@@ -40,7 +40,7 @@ class Watch:
     def _unsteady(self, done, load: dict) -> str | None:
         """``reports.capacity.not_steady`` on this probe's sends and finishes (None where the
         backend does not give them)."""
-        from kvbench.reports.analysis import capacity as C
+        from kvbench.reports.analysis import verdict as C
 
         if "sent_s" not in load:
             return None
@@ -67,7 +67,7 @@ class Watch:
         """(verdict, why) once the verdict is known; (None, "") before."""
         import pandas as pd
 
-        from kvbench.reports.analysis import capacity as C
+        from kvbench.reports.analysis import verdict as C
 
         done, pending, load = self.frames(self.probe.index)
         frames = self.old + ([done] if done is not None else [])
@@ -85,7 +85,7 @@ class Watch:
         return self._after(now, decided, v, done, load, 0 if pending is None else len(pending))
 
     def _while_running(self, now: float, decided, v, load: dict) -> tuple[str | None, str]:
-        from kvbench.reports.analysis import capacity as C
+        from kvbench.reports.analysis import verdict as C
 
         elapsed = now - self.t_start
         # (a closed loop cannot outrun its endpoint: its users wait for their answers, so no
