@@ -74,27 +74,6 @@ class Entry:
                 out[f.name] = _plain(getattr(self, f.name))
         return out
 
-    # -- transitional: dict-style reading (``entry.get("x")``) for readers not yet converted
-    def get(self, key: str, default=None):
-        value = getattr(self, key, None) if key != "extra" else None
-        if value is None:
-            return self.extra.get(key, default)
-        return value
-
-    def __getitem__(self, key: str):
-        if key in self.extra:
-            return self.extra[key]
-        if key == "extra" or not hasattr(self, key):
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __contains__(self, key: str) -> bool:
-        return self.get(key) is not None
-
-    def keys(self):
-        return [f.name for f in dc.fields(self) if f.name != "extra"
-                and getattr(self, f.name) is not None] + list(self.extra)
-
     def replace(self: E, **changes) -> E:
         """A copy with ``changes`` (nested entries shared, ``extra`` copied)."""
         return dc.replace(self, **changes, extra=dict(self.extra))

@@ -216,7 +216,7 @@ class MatrixRun:
         t0 = time.monotonic()
         adapter = self.adapters[job.endpoint.name]
         job, state = cache.prepare(job, adapter, job.headers(), wls.get(job.workload))
-        self.console.job_cache(k, n, state["started_from"])
+        self.console.job_cache(k, n, state.started_from)
         self.cache_states.append(state)  # kept when a stop cuts the job
         # quiet unless stdout is a terminal; endpoints run side by side share none
         with (contextlib.nullcontext() if quiet else progress.Progress(job, self.run_dir)):

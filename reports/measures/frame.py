@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pandas.api.types import union_categoricals
 
+from kvbench.core.contract import StageEntry
 from kvbench.reports.measures import definitions as D
 from kvbench.reports.measures.definitions import NS_PER_MS
 
@@ -141,7 +142,7 @@ def prompt_buckets(prompt_tokens: np.ndarray) -> pd.Categorical:
     return pd.Categorical.from_codes(idx, categories=labels, ordered=True)
 
 
-def request_frame(table: pa.Table, *, stages: Sequence[Mapping] = (),
+def request_frame(table: pa.Table, *, stages: Sequence[StageEntry | Mapping] = (),
                   slo: Mapping[str, object] | None = None,
                   endpoint_label: Callable[[str], str] | None = None,
                   gaps: "GapStore | None" = None) -> pd.DataFrame:
@@ -263,20 +264,22 @@ def _stage_walls(table: pa.Table, cols: dict, stages: Sequence[Mapping],
     wl_names = list(cols["workload"].categories)
     pos = {int(k): i for i, k in enumerate(uniq)}
     for st in stages or ():
+        if not isinstance(st, StageEntry):  # a run.json object (tests, hand-made runs)
+            st = StageEntry.from_dict(st)
         try:
-            k = (ep_names.index(st["endpoint"]) * n_wl + wl_names.index(st["workload"])) \
-                * 10_000 + int(st["index"])
-            t0, t1 = int(st["t_start_ns"]), int(st["t_end_ns"])
-        except (KeyError, ValueError, TypeError):
+            k = (ep_names.index(st.endpoint) * n_wl + wl_names.index(st.workload)) \
+                * 10_000 + int(st.index)
+            t0, t1 = int(st.t_start_ns), int(st.t_end_ns)
+        except (ValueError, TypeError):
             continue
         i = pos.get(k)
         offered = math.nan  # a closed loop offers users, not a rate
-        if st.get("pacing") == "trace":
+        if st.pacing == "trace":
             if i is not None and sched_last[i] > t0:
                 offered = (sched_last[i] - t0) / 1e9
-        elif st.get("rate_rps"):
-            offered = float(st.get("duration_s") or (t1 - t0) / 1e9)
-        elif not st.get("users") and i is not None:  # a record that does not say: the data
+        elif st.rate_rps:
+            offered = float(st.duration_s or (t1 - t0) / 1e9)
+        elif not st.users and i is not None:  # a record that does not say: the data
             offered = data_offered[i]
         by_stage[k] = ((t1 - t0) / 1e9, offered)
     walls, offers = np.empty(m), np.empty(m)

@@ -232,8 +232,8 @@ def build_capacity(d: ReportData) -> dict | None:
         return None
     rows = []
     for c in caps:
-        ep = d.endpoints.get(c.endpoint) or {}
-        per = C.per_gpu_and_cost(c, ep.get("gpus"), ep.get("gpu_hour_cost"))
+        ep = d.endpoint(c.endpoint)
+        per = C.per_gpu_and_cost(c, ep.gpus, ep.gpu_hour_cost)
         at = c.at_capacity or {}
         br = c.breaks or {}
         closed = c.unit == "users"
@@ -259,7 +259,7 @@ def build_capacity(d: ReportData) -> dict | None:
             "breaks": (f"{br['class']}: {br['missed'] or '?'} "
                        f"({fmt(br['attainment'], 'fraction')} within SLO at "
                        f"{num(br['rate_rps'])} {c.unit})" if br else "none seen"),
-            "gpus": ep.get("gpus"), "gpu_hour_cost": ep.get("gpu_hour_cost"),
+            "gpus": ep.gpus, "gpu_hour_cost": ep.gpu_hour_cost,
             "per_gpu": per["capacity_per_gpu"], "per_gpu_text": fmt(per["capacity_per_gpu"]),
             "per_usd": per["capacity_per_usd_hour"],
             "per_usd_text": fmt(per["capacity_per_usd_hour"]),
@@ -267,15 +267,14 @@ def build_capacity(d: ReportData) -> dict | None:
             "probes": c.probes, "load_s": fmt(c.load_s)})
     by_gpu = _ranked(rows, "per_gpu")
     by_usd = _ranked(rows, "per_usd")
-    probes = [{"endpoint": s.get("endpoint"), "workload": s.get("workload"),
-               "stage": s.get("index"),
-               "rate": (fmt(s.get("rate_rps")) if s.get("rate_rps") is not None
-                        else f"{s['users']} users" if s.get("users") is not None else "–"),
-               "duration": fmt(s.get("duration_s")), "role": s["search"].get("role"),
-               "verdict": s["search"].get("verdict") or (
-                   "not judged" if s["search"].get("role") == "warmup" else "void"),
-               "why": s["search"].get("why") or ""}
-              for s in d.stages if s.get("search")]
+    probes = [{"endpoint": s.endpoint, "workload": s.workload, "stage": s.index,
+               "rate": (fmt(s.rate_rps) if s.rate_rps is not None
+                        else f"{s.users} users" if s.users is not None else "–"),
+               "duration": fmt(s.duration_s), "role": s.search.role,
+               "verdict": s.search.verdict or (
+                   "not judged" if s.search.role == "warmup" else "void"),
+               "why": s.search.why or ""}
+              for s in d.stages if s.search is not None]
     return {"rows": rows, "by_gpu": by_gpu, "by_usd": by_usd, "probes": probes}
 
 
