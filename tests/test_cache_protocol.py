@@ -214,10 +214,10 @@ def test_run_reset_then_warm_then_as_is(tmp_path):
     assert "cache: empty: reset by POST /reset_prefix_cache" in p.stdout
     res = load_results(tmp_path / "results" / "r")
     states = res.meta.cache_states
-    assert [s["mode"] for s in states] == ["reset", "warm", "as-is"]
-    assert states[1]["primed_prefixes"] == 4 and states[2]["reset"] is None
+    assert [s.mode for s in states] == ["reset", "warm", "as-is"]
+    assert states[1].primed_prefixes == 4 and states[2].reset is None
     t = res.requests.to_pandas().sort_values("t_sent")
-    firsts = [t[(t.t_sent >= s["t_start_ns"]) & (t.t_sent <= s["t_end_ns"])].iloc[0]
+    firsts = [t[(t.t_sent >= s.t_start_ns) & (t.t_sent <= s.t_end_ns)].iloc[0]
               for s in states]
     block = 16
     assert firsts[0].cached_tokens == 0  # reset: cold

@@ -234,7 +234,7 @@ def test_worker_killed_mid_run_is_named_with_at_most_its_last_second_missing(end
     assert name.endswith(f":{ws[1].pid}")
     per_worker_s = rate / 2
     assert acct["missing"] <= per_worker_s * 1.0 + 3  # at most its last second
-    assert any(name in n["what"] and "missing" in n["why"] for n in meta.incomplete)
+    assert any(name in n.what and "missing" in n.why for n in meta.incomplete)
     status = res.requests.column("status").to_pylist()
     ok = status.count("ok")
     assert 0 <= served - ok <= acct["missing"] + per_worker_s * 0.5 + 3

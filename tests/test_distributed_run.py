@@ -98,7 +98,7 @@ def test_local_workers_and_expected_workers_give_the_same_run(endpoint, tmp_path
         assert set(res.requests.column("status").to_pylist()) == {"ok"}
         assert len(res.meta.workers) == 2 and not any(a["lost"]
                                                       for a in res.meta.workers.values())
-        assert res.meta.stages and res.meta.stages[0]["rate_rps"] == 10.0
+        assert res.meta.stages and res.meta.stages[0].rate_rps == 10.0
         runs[name] = sorted(ids)
     assert runs["local"] == runs["remote"]  # the same requests, whichever way it ran
     # the remote workers kept nothing once the master had it all

@@ -104,7 +104,7 @@ def test_kvbench_run_leaves_no_process_behind(tmp_path, sig):
         assert run.returncode == 128 + sig, out[-3000:]
         assert "INTERRUPTED" in out and "cancelled at the stop" in out
     res = load_results(run_dir)
-    assert res.meta.interrupted and res.meta.incomplete[0]["what"] == "the run"
+    assert res.meta.interrupted and res.meta.incomplete[0].what == "the run"
     if sig != signal.SIGKILL:
         assert signal.Signals(sig).name in res.meta.interruption
     assert res.requests.num_rows >= 2
@@ -160,7 +160,7 @@ def test_sigkill_of_the_load_process_loses_at_most_a_second(tmp_path):
     assert lost.column("t_sent").null_count == 0  # with their send times
     assert pc.min(lost.column("t_sent")).as_py() >= pc.min(t.column("t_scheduled")).as_py()
     (stage,) = res.meta.stages
-    assert stage["partial"] and stage["rate_rps"] == RATE_RPS
+    assert stage.partial and stage.rate_rps == RATE_RPS
 
 
 def _starts(run_dir: Path) -> int:

@@ -98,7 +98,7 @@ def test_closed_loop_stage_end_drains_in_flight_requests(fast, tmp_path):
     assert set(counts) == {("ok", None)}, counts  # every request in flight at the end finished
     assert not meta.interrupted and meta.incomplete == []
     assert meta.counts["requests_started"] == meta.counts["records_written"] == counts[("ok", None)]
-    assert not meta.stages[0].get("partial")
+    assert not meta.stages[0].partial
 
 
 def test_drain_bound_comes_from_the_profile_and_cancels_the_rest(slow, tmp_path):
@@ -142,10 +142,10 @@ def test_interrupted_plain_run_says_so(slow, tmp_path, sig):
     assert p.returncode == 128 + sig, out[-3000:]
     meta = load_results(run_dir).meta
     assert meta.interrupted and signal.Signals(sig).name in meta.interruption
-    assert meta.incomplete[0]["what"] == "the run" and "interrupted" in meta.incomplete[0]["why"]
+    assert meta.incomplete[0].what == "the run" and "interrupted" in meta.incomplete[0].why
     (stage,) = meta.stages
-    assert stage["partial"] and "planned_duration_s" in stage
-    assert 0 < stage["duration_s"] and stage["t_end_ns"] > stage["t_start_ns"]
+    assert stage.partial and stage.planned_duration_s is not None
+    assert 0 < stage.duration_s and stage.t_end_ns > stage.t_start_ns
     counts = statuses(run_dir)
     assert set(counts) == {("cancelled", "cancelled at the stop")}, counts  # no drain
 
@@ -170,8 +170,8 @@ def test_processes_mode_sigterm_finalizes_once_on_the_master(slow, tmp_path, gro
     t = pq.read_table(run_dir / "requests.parquet")
     assert meta.interrupted and "SIGTERM" in meta.interruption
     assert meta.counts["records_written"] == meta.counts["requests_started"] == t.num_rows >= 2
-    assert not [n for n in meta.incomplete if n["what"] in ("records", "load process(es)")
-                or "load process" in n["what"]], meta.incomplete
+    assert not [n for n in meta.incomplete if n.what in ("records", "load process(es)")
+                or "load process" in n.what], meta.incomplete
     assert len(set(t.column("worker").to_pylist())) == 2
     assert p.returncode == 143
 

@@ -87,8 +87,8 @@ def test_closed_loop_users_record_every_request(server, tmp_path):
     assert n > 0 and res.meta.counts["requests_started"] == res.meta.counts[
         "records_written"] == n
     assert set(res.requests.column("status").to_pylist()) <= {"ok", "cancelled"}
-    assert res.meta.stages[0]["users"] == 2 and res.meta.stages[0]["profile"] == "closed"
-    assert res.meta.endpoints[0]["model"] == "test-model"
+    assert res.meta.stages[0].users == 2 and res.meta.stages[0].profile == "closed"
+    assert res.meta.endpoints[0].model == "test-model"
     assert res.meta.suite == "inproc" and res.meta.workloads["chat"]["requests"] == 40
     assert res.meta.workloads_sent["test"]["chat"]
     assert env.stats.get("e2e chat", "LLM").num_requests > 0  # Locust's own stats
@@ -113,7 +113,7 @@ def test_open_loop_dispatcher_paces_and_ends_the_run(server, tmp_path, monkeypat
     res = load_results(job.run_dir)
     assert 16 <= res.requests.num_rows <= 22  # 20 req/s for 1 s, constant gaps
     assert set(res.requests.column("request_class").to_pylist()) <= {"chat", "rag"}
-    assert [s["rate_rps"] for s in res.meta.stages] == [20.0]
+    assert [s.rate_rps for s in res.meta.stages] == [20.0]
     assert set(res.meta.workloads_sent["test"]) == {"mix"}
 
 

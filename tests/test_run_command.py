@@ -135,12 +135,12 @@ def test_closed_loop_run_with_two_processes(server, tmp_path):
     # Counts a busy host cannot break: two load processes each closed its shard with every
     # request it started recorded (one that a stalled host kept from sending has none).
     sidecars = read_proc_meta(run_dir)
-    assert len(sidecars) == 2 and all(m["closed"] for m in sidecars)
+    assert len(sidecars) == 2 and all(m.closed for m in sidecars)
     for m in sidecars:
-        mine = t.filter(pc.equal(t.column("worker"), m["worker"])).num_rows
-        assert m["counts"]["requests_started"] == m["counts"]["records_written"] == mine
+        mine = t.filter(pc.equal(t.column("worker"), m.worker)).num_rows
+        assert m.counts["requests_started"] == m.counts["records_written"] == mine
     assert t.num_rows > 0 and set(t.column("worker").to_pylist()) <= {
-        m["worker"] for m in sidecars}
+        m.worker for m in sidecars}
     assert set(t.column("status").to_pylist()) == {"ok"}  # the stage's end drained them
-    assert res.meta.stages[0]["pacing"] == "closed" and res.meta.stages[0]["users"] == 2
+    assert res.meta.stages[0].pacing == "closed" and res.meta.stages[0].users == 2
     assert len(set(t.column("request_id").to_pylist())) == t.num_rows

@@ -92,7 +92,7 @@ def test_endpoints_run_side_by_side_only_when_asked(server, tmp_path, parallel):
         assert overlap > 1e9, w
     else:
         assert overlap < 0, w
-    assert {s["endpoint"] for s in res.meta.stages} == {"a", "b"}
+    assert {s.endpoint for s in res.meta.stages} == {"a", "b"}
     statuses = set(res.requests.column("status").to_pylist())
     assert statuses <= {"ok", "cancelled"}, statuses
 

@@ -288,7 +288,7 @@ def test_closed_search_finds_the_concurrency_the_queue_model_predicts(searched):
     assert 0.6 * model <= cap.estimate_rps <= 1.4 * model + 1, (cap, model, service_s)
     assert cap.breaks["class"] == "chat" and cap.breaks["missed"] == "TTFT"
     # the failing level's misses waited in the server's queue (the model's reason)
-    idx = [s["index"] for s in res.meta.stages if s.get("users") == cap.fail_rps]
+    idx = [s.index for s in res.meta.stages if s.users == cap.fail_rps]
     missed = f[np.isin(f["stage"], idx) & f["ok"] & ~f["slo_met"].astype(bool)]
     assert len(missed) and (missed["server_queue_ms"] > 0).mean() > 0.9
 

@@ -57,7 +57,7 @@ def test_search_finds_the_capacity_the_model_predicts(searched):
     assert cap.capacity_rps is not None and cap.fail_rps is not None, cap
     assert cap.capacity_rps < cap.fail_rps
     # the service time the endpoint logged at the lowest probe (no queue there)
-    first = f[(f["stage"] == res.meta.stages[0]["index"]) & f["ok"]]
+    first = f[(f["stage"] == res.meta.stages[0].index) & f["ok"]]
     service_s = float(np.median(first["e2e_ms"] - first["server_queue_ms"])) / 1e3
     ceiling = SEQS / service_s  # no endpoint of 2 slots serves more than this
     assert 0.3 * ceiling <= cap.capacity_rps <= 1.1 * ceiling, (cap, ceiling)
