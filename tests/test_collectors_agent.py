@@ -157,4 +157,4 @@ def test_puller_notices_an_agent_restart():
         assert p.pull_once() and p.rows > before  # the new agent's rows arrive
     finally:
         agent.stop()
-    assert "restarted 1 time" in p.incomplete()[0]["why"]
+    assert "restarted 1 time" in p.incomplete()[0].why

@@ -55,11 +55,12 @@ def test_builtin_disaggregated_endpoint_metrics_land_in_results(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(15)
-    tel = out["telemetry"]
+    tel = out.telemetry
     assert tel["engine:disagg"] == "ok" and tel["dcgm:disagg"] == "ok"
     assert tel["engine_family:disagg"] == "builtin"  # vLLM's names plus the emulator's own
-    assert tel["nvml"].startswith("no NVML library") and out["incomplete"] == []
-    finalize(tmp_path, meta={"run_id": "e2e", **out})  # the one run.json writer
+    assert tel["nvml"].startswith("no NVML library") and out.incomplete == []
+    finalize(tmp_path, meta={"run_id": "e2e", "telemetry": tel,  # the one run.json writer
+                             "clock_offsets_ns": out.clock_offsets_ns})
     res = store.load_results(tmp_path)
     eng = res.tables["engine"].to_pandas()
     gpu = res.tables["gpu"].to_pandas()

@@ -128,7 +128,7 @@ def test_scraper_against_server_counts_failures_and_keeps_going():
     assert junk.failures == junk.scrapes and junk.last_error.startswith("ValueError")
     assert bad.telemetry()["engine:bad"].startswith("no successful scrape of")
     assert "engine_family:bad" not in bad.telemetry()  # nothing scraped, nothing to tell
-    assert bad.incomplete()[0]["why"].startswith(f"{bad.failures} of {bad.scrapes}")
+    assert bad.incomplete()[0].why.startswith(f"{bad.failures} of {bad.scrapes}")
     assert len([m for m in logs if "bad" in m]) == 1  # one message, not one per scrape
 
 

@@ -81,4 +81,4 @@ def test_run_json_records_gpus_and_price():
         job = resolve(cfg, workload="mix", endpoint=ep.name, url="http://127.0.0.1:9",
                       lookup_model=False)
         rec = job.endpoint.record()
-        assert (rec["gpus"], rec["gpu_hour_cost"]) == (want[ep.name], ep.gpu_hour_cost)
+        assert (rec.gpus, rec.gpu_hour_cost) == (want[ep.name], ep.gpu_hour_cost)

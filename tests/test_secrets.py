@@ -174,7 +174,7 @@ def test_endpoint_record_and_report_appendix_strip_url_userinfo():
     from kvbench.runs.job import JobEndpoint
 
     rec = JobEndpoint(name="e", url="http://u:pw-in-url@127.0.0.1:9").record()
-    assert rec["url"] == f"http://{MARK}@127.0.0.1:9"
+    assert rec.url == f"http://{MARK}@127.0.0.1:9"
     # a run.json written before redaction: the report masks its header values anyway
     old = {"endpoints": [{"name": "e", "headers": {"X-Custom": "Bearer old-secret"},
                           "url": "http://u:old-pw@h"}], "suite": {"name": "s"}}

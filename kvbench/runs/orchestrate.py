@@ -296,7 +296,7 @@ class MatrixRun:
         notes = {"telemetry": self.telemetry, "incomplete": [],
                  "clock_offsets_ns": self.clock_offsets_ns}
         out = step(notes)
-        self.incomplete.extend(Incomplete.from_dict(i) for i in notes["incomplete"])
+        self.incomplete.extend(notes["incomplete"])  # Incomplete entries
         return out
 
     def finish(self) -> RunMeta:

@@ -10,7 +10,6 @@ import os
 import subprocess
 import time
 
-from kvbench.core.contract import ProcMeta
 from kvbench.runs import lifeline
 from kvbench.runs.search.control import Control, control_path, write_control
 
@@ -57,7 +56,7 @@ class LocustBackend:
         while time.monotonic() < deadline:
             if self.child.poll() is not None:
                 return None
-            for m in map(ProcMeta.from_dict, store.read_proc_meta(self.run_dir)):
+            for m in store.read_proc_meta(self.run_dir):
                 st = m.open_stage
                 running = st is not None and st.index == index and st.endpoint == name
                 if running or any(s.index == index for s in m.stages if s.endpoint == name):
