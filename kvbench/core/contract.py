@@ -41,6 +41,8 @@ class Entry:
     # what the strict check reads a plain field as, where more than its Python type: a type
     # expression ("dict[str, int]") or (shape, class) as in ``_nested``
     _check_as: ClassVar[dict[str, Any]] = {}
+    # fields written only when set (``to_dict``), as run.json has always had them
+    _only_when_set: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_dict(cls: type[E], data: dict | None) -> E:
@@ -66,12 +68,16 @@ class Entry:
         return cls(**kw, extra=extra)
 
     def to_dict(self) -> dict:
-        """The JSON object (extra keys first, then every field, null where not set: a reader
-        of the file finds each key of the contract; nested entries as objects)."""
+        """The JSON object (extra keys first, then the fields; nested entries as objects).
+        Every field is written, null where not set, except those of ``_only_when_set``, which
+        run.json has only had where they apply (a stage's ``search`` note, a cut stage's
+        ``planned_duration_s``): a script reading ``stage.get("planned_duration_s",
+        stage["duration_s"])`` reads them as it always did."""
         out = dict(self.extra)
         for f in dc.fields(self):
-            if f.name != "extra":
-                out[f.name] = _plain(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.name != "extra" and not (value is None and f.name in self._only_when_set):
+                out[f.name] = _plain(value)
         return out
 
     def replace(self: E, **changes) -> E:
@@ -132,6 +138,8 @@ class SearchNote(Entry):
     target: Num | None = None  # the attainment and confidence it was judged against
     confidence: Num | None = None
     extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    _only_when_set: ClassVar = ("stop", "estimate", "target", "confidence")
 
 
 @dataclass
@@ -220,6 +228,9 @@ class StageEntry(Entry):
 
     _nested: ClassVar = {"search": ("one", SearchNote)}
     _not_null: ClassVar = ("index",)
+    _only_when_set: ClassVar = ("requests", "planned_duration_s", "partial", "search",
+                                "loop_pause_max_ms", "loop_pause_max_offcpu_ms",
+                                "loop_pauses_over_5ms")
 
     @classmethod
     def of(cls, plan: StagePlan, **ran) -> "StageEntry":
