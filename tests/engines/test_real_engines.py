@@ -102,7 +102,7 @@ def run_suite(tmp_path, url, name, engine, otlp_port=None):
 
 def job_records(res, state):
     t = res.requests.to_pandas().sort_values("t_sent")
-    return t[(t.t_sent >= state["t_start_ns"]) & (t.t_sent <= state["t_end_ns"])]
+    return t[(t.t_sent >= state.t_start_ns) & (t.t_sent <= state.t_end_ns)]
 
 
 def check_protocol(res, block_tokens):
@@ -113,10 +113,10 @@ def check_protocol(res, block_tokens):
         res.requests.num_rows == 4 * REQUESTS, meta.counts
     assert set(res.requests.column("status").to_pylist()) == {"ok"}
     states = meta.cache_states
-    assert [s["mode"] for s in states] == ["reset", "as-is", "reset", "warm"], states
+    assert [s.mode for s in states] == ["reset", "as-is", "reset", "warm"], states
     a, b, c, d = states
-    assert a["reset"]["done"] and c["reset"]["done"] and d["reset"]["done"], states
-    assert d["primed_prefixes"] == 2 and d["primed_tokens"] > 0, d
+    assert a.reset["done"] and c.reset["done"] and d.reset["done"], states
+    assert d.primed_prefixes == 2 and d.primed_tokens > 0, d
     firsts = [job_records(res, s).iloc[0] for s in states]
     # the same workload (same seed) in every job: the same first prompt each time
     assert len({f.request_id for f in firsts}) == 1 and len({f.prompt_tokens for f in firsts}) == 1
