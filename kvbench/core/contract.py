@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses as dc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 # Field kinds, named for the strict check (``check``): to Python they are int and float.
 Ns = int  # a time in ns within int64 (epoch or offset), >= 0
@@ -427,10 +427,6 @@ class RunMeta(Entry):
 
     def endpoint(self, name: str) -> EndpointEntry | None:
         return next((e for e in self.endpoints if e.name == name), None)
-
-    def search_stages(self) -> Iterator[StageEntry]:
-        """The stages a capacity search ran, in order."""
-        return (s for s in self.stages if s.search is not None)
 
 
 # --------------------------------------------------------------------------- the strict check
