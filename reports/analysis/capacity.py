@@ -45,6 +45,10 @@ class Capacity:
     # what the search varied: "req/s" (open loop, offered Poisson rate) or "users" (closed
     # loop: the fields named *_rps then hold numbers of users, the concurrency at SLO)
     unit: str = "req/s"
+    # whether the claimed level held: the search's last probe there ("hold") ran at least three
+    # mean response times with no backlog growing and its attainment estimate at the target
+    # (None: a search without a hold, e.g. runs made before holds existed)
+    held: bool | None = None
 
     @property
     def interval_text(self) -> str:
