@@ -63,6 +63,15 @@ class SearchSpec(Strict):
     # Load at start_rps for this long before the first judged probe (a stage of role
     # "warmup", never judged): caches, batches and queues reach the state the probes measure
     warmup_s: float = Field(default=0.0, ge=0, le=3600)
+    # The hold: once the bracket is within ``precision``, the capacity it points to (the
+    # crossing) is held for at least ``hold_s`` and three mean response times before it is
+    # claimed: it holds when no backlog grows over its second half and its attainment
+    # estimate meets the target; a hold that fails is tried again ``hold_step`` times lower.
+    # A short probe sees a rate's first seconds: an endpoint with free KV memory keeps its
+    # first tokens fast for tens of seconds above what it sustains. 0: no hold (the
+    # highest pass is confirmed by one more probe instead)
+    hold_s: float = Field(default=0.0, ge=0, le=3600)
+    hold_step: float = Field(default=0.85, gt=0, lt=1)
     # "closed": the highest number of users at SLO instead of the highest rate. Each user runs
     # one session at a time and waits for every answer (think times as the workload says);
     # probes of start_users, times growth (one more at least) to the first failure, then

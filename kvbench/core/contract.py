@@ -166,6 +166,8 @@ class SearchSpec(Entry):
     settle_s: Num = 30.0
     steady_residences: Num = 3.0
     warmup_s: Num = 0.0
+    hold_s: Num = 0.0
+    hold_step: Num = 0.85
     loop: str = "open"  # open | closed
     start_users: Count = 1
     max_users: Count = 1024

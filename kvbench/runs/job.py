@@ -293,7 +293,8 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
     if prof is not None and prof.pacing == "search":
         search = SearchSpec.from_dict(prof.search.model_dump(mode="json"))
         search = search.replace(**{k: getattr(search, k) * duration_scale
-                                   for k in ("probe_s", "max_probe_s", "budget_s", "settle_s")})
+                                   for k in ("probe_s", "max_probe_s", "budget_s", "settle_s",
+                                             "hold_s")})
         stages = stages or [
             StagePlan(0, search.budget_s, users=search.start_users)
             if search.closed else StagePlan(0, search.budget_s, search.start_rps)]

@@ -126,9 +126,20 @@ def summarise(stages: list[StageEntry], frame: pd.DataFrame, slo: dict,
             if s.search.verdict in ("pass", "fail"):
                 settled[level(s)] = s.search.verdict
                 shown[level(s)] = not s.search.estimate
+        # a search with a hold claims only the level its hold held: its short probes'
+        # passes above it were first seconds the endpoint does not sustain (a failed hold is
+        # a failure at its level); holds but none held: the bracket stands, marked not held
+        holds = [s for s in probes if s.search.role == "hold" and s.search.verdict]
+        held = None
+        if holds:
+            held_at = [level(s) for s in holds if s.search.verdict == "pass"]
+            held = bool(held_at)
+            for s in holds:
+                settled[level(s)] = s.search.verdict
+                shown[level(s)] = True
         passes = [r for r, v in settled.items() if v == "pass"]
         fails = [r for r, v in settled.items() if v == "fail"]
-        cap = max(passes) if passes else None
+        cap = max(held_at) if held else max(passes) if passes else None
         above = [r for r in fails if cap is None or r > cap]
         fail = min(above) if above else None
         shown_passes = [r for r in passes if shown[r]]
@@ -178,7 +189,7 @@ def summarise(stages: list[StageEntry], frame: pd.DataFrame, slo: dict,
                   # its pass is the pooled estimate's, the interval straddling the target
                   "estimate": any(s.search.estimate for s in probes if level(s) == cap)}
         estimate = cap
-        if cap is not None and fail is not None:
+        if cap is not None and fail is not None and not held:
             def pooled(rate):
                 idx = [s.index for s in probes if level(s) == rate]
                 return class_attainment(sub[np.isin(sub["stage"], idx)])
@@ -189,7 +200,7 @@ def summarise(stages: list[StageEntry], frame: pd.DataFrame, slo: dict,
                 estimate = float(max(cap, math.floor(estimate + 1e-9)))
         out.append(Capacity(ep, wl, cap, fail, status, len(probes),
                             float(sum(_ran_s(s) for s in probes)), breaks, at, low, high,
-                            estimate, "users" if closed else "req/s"))
+                            estimate, "users" if closed else "req/s", held))
     return out
 
 

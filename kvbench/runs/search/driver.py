@@ -11,6 +11,7 @@ weigh on the next, lower probe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,6 +63,7 @@ class Search:
         self.t0 = 0.0  # when the search began (the backend's clock)
         self.current: Watch | None = None  # the probe whose schedule runs (or just ended)
         self.behind: Watch | None = None  # a probe whose stragglers are still being judged
+        self.attainment: dict = {}  # level -> class -> attainment over its pooled requests
 
     def run(self) -> tuple[Planner, Control]:
         self.publish()
@@ -150,6 +152,8 @@ class Search:
     def settle(self, w: Watch, verdict: str, why: str) -> str:
         """Record ``w``'s verdict in the plan and the control file; the settled verdict."""
         p = w.probe
+        if w.detail is not None and p.role != "hold":
+            self.attainment[p.level] = {c.request_class: c.attainment for c in w.detail.classes}
         verdict, why, on_estimate = self.planner.settle(p, verdict, why, w.detail)
         entry = self.control.probes[p.index]
         entry.verdict, entry.why = verdict, why
@@ -177,7 +181,8 @@ class Search:
         t_start = self.backend.started(probe.index)
         if t_start is None:
             return None
-        pooled = [q.index for q, _ in self.planner.history if q.level == probe.level]
+        pooled = [q.index for q, _ in self.planner.history
+                  if q.level == probe.level and probe.role != "hold" and q.role != "hold"]
         return Watch(self.backend.frames, self.backend.slo, probe, pooled, self.spec, t_start,
                      self.e2e_ref_s)
 
@@ -198,18 +203,35 @@ class Search:
             self.backend.sleep(POLL_S)
         self.say(console.warmup_line(probe))
 
+    def hold_at(self, planner: Planner) -> float | None:
+        """Where the first hold goes: the crossing of the target inside the bracket, from
+        the pooled attainment at its two ends (as the report reads the capacity)."""
+        from kvbench.reports.analysis.capacity import crossing
+
+        lo, hi = planner.bracket()
+        if lo is None or hi is None or lo not in self.attainment or hi not in self.attainment:
+            return lo
+        x = crossing(lo, hi, self.attainment[lo], self.attainment[hi], self.spec.target)
+        return math.floor(x) if self.spec.closed else x
+
     def plan(self, after: Watch | None = None) -> Probe | None:
-        """The next probe (assuming ``after`` passes, if given), within the budget."""
+        """The next probe (assuming ``after`` passes, if given), within the budget. With a
+        hold, the bracket's next probe is skipped for the hold when both would not fit; a hold
+        never starts on a guess (it goes where the bracket's verdicts put it)."""
+        planner = self.planner
         if after is not None:
-            hyp = Planner(self.spec, list(self.planner.history), self.planner.residence_s)
-            hyp.record(after.probe, "pass")
-            probe = hyp.next()
-        else:
-            probe = self.planner.next()
-        if probe is None:
+            planner = Planner(self.spec, list(self.planner.history), self.planner.residence_s)
+            planner.record(after.probe, "pass")
+        planner.hold_at = self.hold_at(planner)
+        probe = planner.next()
+        spent = self.backend.now() - self.t0
+        if (probe is not None and self.spec.hold_s and probe.role != "hold"
+                and not planner.holds() and planner.bracket()[0] is not None
+                and spent + probe.duration_s + planner.hold_duration() > self.spec.budget_s):
+            probe = planner._hold(len(planner.history), planner.bracket()[0])
+        if probe is None or (after is not None and probe.role == "hold"):
             return None
         probe = replace(probe, index=len(self.control.probes))
-        spent = self.backend.now() - self.t0
         if spent + probe.duration_s > self.spec.budget_s:
             if not self.control.notes:
                 self.control.notes.append(Note(stop="budget", after_s=round(spent, 1)))

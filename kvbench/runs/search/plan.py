@@ -35,6 +35,9 @@ class Planner:
     spec: SearchSpec
     history: list = field(default_factory=list)  # (Probe, verdict)
     residence_s: float | None = None  # mean response time at the last passing level
+    # where the attainment crosses the target inside the bracket (the driver sets it from
+    # the probes' pooled attainment): the first hold's level; None: the highest pass
+    hold_at: float | None = None
 
     @property
     def closed(self) -> bool:
@@ -84,9 +87,61 @@ class Planner:
             return Probe(index, None, self.duration(level), role, users=int(level))
         return Probe(index, level, self.duration(level), role)
 
+    def holds(self) -> list:
+        """The holds so far, as (Probe, verdict)."""
+        return [(p, v) for p, v in self.history if p.role == "hold"]
+
+    def held(self) -> float | None:
+        """The level the search claims: the highest its holds held (None: none held)."""
+        return max((p.level for p, v in self.holds() if v == "pass"), default=None)
+
+    def hold_duration(self) -> float:
+        """A hold's length: ``hold_s``, and at least three mean response times of the last
+        passing level plus the records' lag (its second half must show the backlog settled)."""
+        k = max(3.0, self.spec.steady_residences)
+        return max(self.spec.hold_s, k * self.residence_s + 1.0 if self.residence_s else 0.0)
+
+    def _hold(self, index: int, lo: float | None) -> Probe | None:
+        """The next hold. The first goes to the crossing (the highest pass where there is
+        none); then down by ``hold_step`` after each failed hold while none held, up by it
+        after each that held while none failed, and between the highest that held and the
+        lowest that failed (geometric bisection) once both are known, until they are within
+        ``precision``. The claim is the highest level held."""
+        s = self.spec
+        done = self.holds()
+        up = self.held()
+        down = min((p.level for p, v in done if v != "pass"), default=None)
+        if not done:
+            level = self.hold_at if self.hold_at is not None else lo
+        elif up is None:
+            level = down * s.hold_step
+        elif down is None:
+            level = up / s.hold_step
+        elif down / up - 1 <= s.precision or (self.closed and down - up <= 1):
+            return None
+        else:
+            level = math.sqrt(up * down)
+        if self.closed:
+            level = int(round(level))
+            if up is not None:
+                level = max(level, int(up) + 1)
+            if down is not None:
+                level = min(level, int(down) - 1)
+            if level < 1 or (up is not None and level <= up):
+                return None
+            return Probe(index, None, self.hold_duration(), "hold", users=level)
+        if up is None and down is None:
+            pass
+        elif (up is None and level > s.max_rps) or level < s.min_rps:
+            return None
+        level = float(f"{level:.4g}")
+        return Probe(index, level, self.hold_duration(), "hold")
+
     def next(self) -> Probe | None:
         s = self.spec
         index = len(self.history)
+        if s.hold_s and self.holds():
+            return self._hold(index, None)
         if self.history:
             p, v = self.history[-1]
             if v == "straddle" and self.tries(p.level) <= s.refine:
@@ -106,6 +161,8 @@ class Planner:
                 return None
         else:
             if hi / lo - 1 <= s.precision:
+                if s.hold_s:
+                    return self._hold(index, lo)
                 if s.confirm and self.tries(lo) < 2:
                     return Probe(index, lo, self.duration(lo), "confirm")
                 return None
@@ -133,6 +190,8 @@ class Planner:
                 return None
             return self._probe(index, max(1, min(hi - 1, round(hi / s.growth))), "ramp")
         if hi - lo <= 1 or hi / lo - 1 <= s.precision:
+            if s.hold_s:
+                return self._hold(index, lo)
             if s.confirm and self.tries(lo) < 2:
                 return self._probe(index, lo, "confirm")
             return None

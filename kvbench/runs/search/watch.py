@@ -80,9 +80,64 @@ class Watch:
         decided, v = C.bounded_verdict(d, p, self.slo, **self.kw)
         self.detail = v
         self.estimate = _worst_finished(d)
+        if self.probe.role == "hold":
+            return self._hold(now, v, p, done, load)
         if now < self.end:
             return self._while_running(now, decided, v, load)
         return self._after(now, decided, v, done, load, 0 if pending is None else len(pending))
+
+    def _hold(self, now: float, v, pending, done, load: dict) -> tuple[str | None, str]:
+        """A hold's verdict: it holds when its attainment estimate (every class's share of
+        its requests within SLO, the worst class's) meets the target and no backlog grew over
+        its second half; not a bootstrap bound: the hold asks whether the endpoint sustains
+        the rate, the brackets' probes already showed where it crosses. Cut once it cannot
+        hold whatever its requests still running do (after half its length: one early burst
+        is one draw), or once saturated."""
+        from kvbench.reports.analysis import verdict as C
+
+        target = self.spec.target
+        running = {}
+        if len(pending):
+            running = pending["request_class"].astype(str).value_counts().to_dict()
+        elapsed = now - self.t_start
+        # the requests its schedule still sends, each class in its share so far
+        more = max(0.0, self.probe.duration_s / max(elapsed, 1e-9) - 1.0)
+        worst_hi, worst_lo, who = 1.0, 1.0, None
+        for c in v.classes:  # pessimistic counts: requests still running are misses
+            n_run = running.get(c.request_class, 0)
+            n_more = c.requests * more
+            hi = ((c.met + n_run + n_more) / (c.requests + n_more)) if c.requests else 1.0
+            lo = c.met / c.requests if c.requests else 1.0
+            if c.requests and hi < target:
+                who = c
+            worst_hi, worst_lo = min(worst_hi, hi), min(worst_lo, lo)
+        detail = (lambda: f"worst class {v.worst.request_class}: {v.worst.met}/"
+                  f"{v.worst.requests} within SLO" if v.worst is not None else "no request")
+        if now < self.end:
+            sat = None if self.probe.users is not None else (
+                C.saturated(load["pending_ages_s"], elapsed, self.probe.rate_rps,
+                            self.e2e_ref_s, load["lateness_ms"])
+                or C.short_of_offered(load["sent"], elapsed, self.probe.rate_rps))
+            if sat or (who is not None and elapsed >= self.probe.duration_s / 2):
+                self.cut = True
+                why = (f"saturated: {sat}" if sat else
+                       f"worst class {who.request_class}: {who.met}/{who.requests} within "
+                       f"SLO, under the target {target:.0%} even if the rest all meet it")
+                return "fail", f"did not hold, cut after {elapsed:.1f} s: {why}"
+            return None, ""
+        unsteady = self._unsteady(done, load) if self.probe.users is None else None
+        if unsteady:
+            return "fail", f"did not hold: {unsteady} ({detail()})"
+        if worst_hi < target:
+            return "fail", f"did not hold: {detail()}, under the target {target:.0%}"
+        if worst_lo >= target or now > self.settle_end:
+            if worst_lo < target:
+                return "fail", (f"did not hold: {detail()}, under the target {target:.0%} "
+                                f"with its requests still running {self.spec.settle_s:g} s "
+                                "after it counted as misses")
+            return "pass", (f"held {self.probe.duration_s:g} s: {detail()} (estimate "
+                            f"{worst_lo:.3f}, target {target:.0%}), no backlog growing")
+        return None, ""
 
     def _while_running(self, now: float, decided, v, load: dict) -> tuple[str | None, str]:
         from kvbench.reports.analysis import verdict as C
