@@ -149,3 +149,14 @@ def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
     near = [row("a", "mix", 5.5, 6.0, 1, passed=5.0), row("b", "mix", 4.8, 5.1, 1)]
     assert [(r["endpoint"], r["apart"]) for r in _ranked(near, "per_gpu")] == [
         ("a", None), ("b", "no: its bracket overlaps a's")]
+
+
+def test_gpu_legend_names_what_differs(run_dir):
+    """One role per endpoint: the endpoint's name alone (not "colocated colocated"); an
+    endpoint with several roles: each role beside its name."""
+    from kvbench.reports.measures.data import load
+    from kvbench.reports.rendering.context import build_context
+
+    figs = {f["key"]: f for f in build_context(load([run_dir]))["figures"]}
+    names = [t["name"] for t in figs["gpu_timelines"]["data"] if t.get("showlegend") is not False]
+    assert sorted(names) == ["colocated", "disaggregated: decode", "disaggregated: prefill"]

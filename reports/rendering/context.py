@@ -8,6 +8,7 @@ import json
 import math
 import time
 
+import numpy as np
 import pandas as pd
 
 from kvbench.core import redact
@@ -17,11 +18,12 @@ from kvbench.reports.statistics import metrics as M
 from kvbench.reports.analysis import overload as O
 from kvbench.reports.analysis import pareto as P
 from kvbench.reports.rendering import tables
-from kvbench.reports.rendering.cells import NO_SLO, SLO_METRICS, fmt, metric_row, table_rows
+from kvbench.reports.rendering.capacity_section import build_capacity
+from kvbench.reports.rendering.capacity_section import ranked as _ranked  # noqa: F401
+from kvbench.reports.rendering.cells import SLO_METRICS, fmt, metric_row, table_rows
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose import diagnose
 from kvbench.reports.measures.frame import itl_values, wall_s
-from kvbench.reports.statistics.resampling import CI
 
 SUMMARY_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
                    "slo_attainment", "output_tps", "input_tps",
@@ -39,48 +41,51 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     has none)."""
     f = d.frame
     eps = d.endpoint_names
-    lean = M.slim(f, ("endpoint", "topology"))
+    lean = M.slim(f, ("endpoint", "topology", "workload", "stage"))
     ep_col = lean["endpoint"].to_numpy()
     per_ep = {ep: lean[ep_col == ep] for ep in eps}
     itl_cache = {ep: itl_values(sub) for ep, sub in per_ep.items()}
-    values: dict[str, dict[str, float]] = {}
-    cis: dict[str, dict[str, CI]] = {}
-    for ep, sub in per_ep.items():
-        values[ep] = M.evaluate(sub, SUMMARY_METRICS)
-        cis[ep] = M.evaluate(sub, CI_METRICS, ci=True, resamples=REPORT_RESAMPLES,
-                             seed=REPORT_SEED)
     engine_hits = E.hit_ratio(d.engine)
-    walls = {ep: wall_s(sub) for ep, sub in per_ep.items()}
     gpu_figs = {ep: P.endpoint_figures(sub, d.endpoint(ep)) for ep, sub in per_ep.items()}
-    costs = {ep: gpu_figs[ep]["cost_per_m"] for ep in eps}
     example_price = any(gpu_figs[ep]["example_price"] for ep in eps)
-
-    summary = [metric_row("requests", "count", [len(per_ep[ep]) for ep in eps], None)]
     outcomes = {ep: M.outcomes(per_ep[ep]) for ep in eps}
-    if any(o["cancelled"] for o in outcomes.values()):
-        summary.append(metric_row("cancelled at the stop (not errors)", "count",
-                                  [outcomes[ep]["cancelled"] for ep in eps], None))
-    no_slo_ep = [not M.with_slo(per_ep[ep]).any() for ep in eps]
-    for name in SUMMARY_METRICS:
-        info = M.METRIC_INFO[name]
-        summary.append(metric_row(info.label, info.unit, [values[ep][name] for ep in eps],
-                                  None if name in ("offered_rps", "started_rps")
-                                  else info.higher_is_better,
-                                  [cis[ep].get(name) for ep in eps] if name in CI_METRICS
-                                  else None,
-                                  no_slo=no_slo_ep if name in SLO_METRICS else None))
     stage_rates = O.rates(f)
-    summary.append(tables.overload_row(stage_rates, eps))
-    if engine_hits:
-        summary.append(metric_row("prefix hit ratio (engine counters)", "fraction",
-                                  [engine_hits.get(ep, math.nan) for ep in eps], True))
-    summary.append(metric_row("output tokens/s per GPU", "tok/s",
-                              [gpu_figs[ep]["tps_per_gpu"] for ep in eps], True))
-    if any(not math.isnan(c) for c in costs.values()):
-        summary.append(metric_row("cost per million output tokens"
-                                  + (" (example prices)" if example_price else ""), "$",
-                                  [costs[ep] for ep in eps], False))
-    summary.append(metric_row("stage wall time", "s", [walls[ep] for ep in eps], None))
+    capacity = build_capacity(d)
+    searched = {(str(s.endpoint), str(s.workload), int(s.index)) for s in d.stages
+                if s.search is not None}
+    # the stages outside a search: summarised per endpoint, as a run without one is
+    plain = {ep: sub[~_in_stages(sub, searched)] for ep, sub in per_ep.items()
+             } if searched else per_ep
+    plain = {ep: sub for ep, sub in plain.items() if len(sub)}
+    summaries = []
+    if capacity:
+        summaries += at_capacity_summaries(d, lean, capacity, example_price)
+    if plain:
+        cols = list(plain)
+        summary = summary_rows(cols, [plain[ep] for ep in cols],
+                               [itl_values(plain[ep]) if len(plain[ep]) < len(per_ep[ep])
+                                else itl_cache[ep] for ep in cols])
+        summary.append(tables.overload_row(
+            stage_rates[~_in_stages(stage_rates, searched)] if searched else stage_rates, cols))
+        if engine_hits and not searched:
+            summary.append(metric_row("prefix hit ratio (engine counters)", "fraction",
+                                      [engine_hits.get(ep, math.nan) for ep in cols], True))
+        figs = {ep: P.endpoint_figures(plain[ep], d.endpoint(ep)) for ep in cols}
+        summary.append(metric_row("output tokens/s per GPU", "tok/s",
+                                  [figs[ep]["tps_per_gpu"] for ep in cols], True))
+        if any(not math.isnan(figs[ep]["cost_per_m"]) for ep in cols):
+            summary.append(metric_row("cost per million output tokens"
+                                      + (" (example prices)" if example_price else ""), "$",
+                                      [figs[ep]["cost_per_m"] for ep in cols], False))
+        summary.append(metric_row("stage wall time", "s",
+                                  [wall_s(plain[ep]) for ep in cols], None))
+        summaries.append({"title": "Summary" if not summaries else
+                          "Summary of the fixed-rate stages",
+                          "key": "stages", "columns": cols, "rows": summary,
+                          "note": "Over every stage of each endpoint outside a capacity "
+                                  "search (stages of different rates pooled: see the per-stage "
+                                  "table for each load)." if len(plain) and any(
+                                      _rates_of(plain[ep]) > 1 for ep in cols) else ""})
 
     by_class = tables.group_tables(f, "request_class")
     stage_table = tables.stage_table(d, stage_rates)
@@ -103,22 +108,9 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                     "diff_text": "–" if math.isnan(r["diff"]) else f"{100 * r['diff']:+.1f}%"}
                    for r in E.comparison(d.engine, f, _primed(d))]
 
-    bake = {
-        "by_goodput": sorted(({"endpoint": ep, "value": values[ep]["goodput_rps"],
-                               "no_slo": no_slo,
-                               "text": NO_SLO if no_slo else fmt(values[ep]["goodput_rps"]),
-                               "slo": NO_SLO if no_slo else fmt(values[ep]["slo_attainment"],
-                                                                 "fraction")}
-                              for ep, no_slo in zip(eps, no_slo_ep)),
-                             key=lambda r: -_nz(r["value"])),
-        "by_cost": sorted(({"endpoint": ep, "value": costs[ep], "text": fmt(costs[ep]),
-                            "gpus": d.endpoint(ep).gpus,
-                            "gpu_hour_cost": d.endpoint(ep).gpu_hour_cost,
-                            "example_price": gpu_figs[ep]["example_price"]}
-                           for ep in eps if not math.isnan(costs[ep])),
-                          key=lambda r: r["value"]),
-    }
-    capacity = build_capacity(d)
+    # rankings of the stages outside a search: per workload (endpoints compete on the same
+    # traffic only); a searched workload is ranked by its capacity (the verdict)
+    bake = tables.bake_rankings(plain, d.endpoint)
     from kvbench.reports.analysis.cache_verify import as_findings, cache_rows
 
     cache_verified = cache_rows(d.runs, f)
@@ -143,7 +135,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                   "ended": _iso(r.ended_ns), "path": str(p)} for r, p in zip(d.runs, d.paths)],
         "endpoints": [_endpoint_row(ep, d.endpoint(ep), per_ep[ep], gpu_figs[ep]) for ep in eps],
         "endpoint_names": eps,
-        "summary": summary,
+        "summaries": summaries,
+        "summary": summaries[0]["rows"] if summaries else [],
         "by_class": by_class,
         "by_stage": by_stage,
         "by_topology": by_topology,
@@ -157,6 +150,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         "bake": bake,
         "per_gpu": per_gpu,
         "capacity": capacity,
+        "verdict": capacity["verdict"] if capacity else [],
+        "searched": bool(capacity),
         "findings": findings,
         "figures": figures,
         "slo": d.slo,
@@ -177,105 +172,113 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     }
 
 
+def summary_rows(cols: list[str], frames: list[pd.DataFrame],
+                 itls: list[np.ndarray]) -> list[dict]:
+    """The Summary's metric rows, one column per frame (``cols`` its headers): requests, the
+    cancelled, each of ``SUMMARY_METRICS`` with its interval where ``CI_METRICS`` has one."""
+    values, cis = [], []
+    for sub, itl in zip(frames, itls):
+        values.append(M.evaluate(sub, SUMMARY_METRICS))
+        cis.append(M.evaluate(sub, CI_METRICS, ci=True, resamples=REPORT_RESAMPLES,
+                              seed=REPORT_SEED))
+    rows = [metric_row("requests", "count", [len(x) for x in frames], None)]
+    cancelled = [M.outcomes(x)["cancelled"] for x in frames]
+    if any(cancelled):
+        rows.append(metric_row("cancelled at the stop (not errors)", "count", cancelled, None))
+    no_slo = [not M.with_slo(x).any() for x in frames]
+    for name in SUMMARY_METRICS:
+        info = M.METRIC_INFO[name]
+        rows.append(metric_row(info.label, info.unit, [v[name] for v in values],
+                               None if name in ("offered_rps", "started_rps")
+                               else info.higher_is_better,
+                               [c.get(name) for c in cis] if name in CI_METRICS else None,
+                               no_slo=no_slo if name in SLO_METRICS else None))
+    return rows
+
+
+def at_capacity_summaries(d: ReportData, lean: pd.DataFrame, capacity: dict,
+                          example_price: bool) -> list[dict]:
+    """Per searched workload, the Summary at each endpoint's capacity: every metric over the
+    probes at the rate (or users) the search claimed, the highest that passed (the probes
+    that decided it), never pooled over rates; per GPU and $ per million output tokens are
+    ``capacity.per_gpu_and_cost``'s, the capacity table's own. An endpoint that passed no
+    rate is shown at its lowest probed rate, labelled so."""
+    from kvbench.reports.analysis.capacity import level
+
+    rows_by = {(r["endpoint"], r["workload"], r["unit"]): r for r in capacity["rows"]}
+    out = []
+    for g in capacity["verdict"]:
+        wl, unit = g["workload"], g["unit"]
+        ranked_eps = [r["endpoint"] for r in g["ranking"]] + [
+            r["endpoint"] for r in g["unranked"]]
+        cols, frames, labels = [], [], []
+        for ep in ranked_eps:
+            row = rows_by[(ep, wl, unit)]
+            probes = [s for s in d.stages if s.search is not None and str(s.endpoint) == ep
+                      and str(s.workload) == wl]
+            at = row["passed"]
+            if at is None:
+                judged = [level(s) for s in probes if s.search.verdict is not None]
+                at = min(judged) if judged else None
+            idx = {(ep, wl, int(s.index)) for s in probes if at is not None and level(s) == at}
+            sub = lean[_in_stages(lean, idx)]
+            num = fmt(at, "count") if unit == "users" else fmt(at)
+            cols.append(ep)
+            frames.append(sub)
+            labels.append(f"{num} {unit}, " + (
+                "the highest that passed" if row["passed"] is not None else
+                "the lowest probed (none passed)") + f"; {len(idx)} probe"
+                + ("s" if len(idx) != 1 else ""))
+        if not cols:
+            continue
+        rows = [metric_row("measured at", "", labels, None)]
+        rows += summary_rows(cols, frames, [itl_values(x) for x in frames])
+        per = [rows_by[(ep, wl, unit)] for ep in cols]
+        rows.append(metric_row("output tokens/s per GPU at capacity at SLO", "tok/s",
+                               [_num(r["output_tps_per_gpu"]) for r in per], True))
+        if any(r["usd_per_mtok_value"] is not None for r in per):
+            rows.append(metric_row("cost per million output tokens at capacity at SLO"
+                                   + (" (example prices)" if example_price else ""), "$",
+                                   [_num(r["usd_per_mtok_value"]) for r in per], False))
+        rows.append(metric_row("probe time at this load", "s",
+                               [wall_s(x) for x in frames], None))
+        out.append({"title": f"Summary at capacity: {wl}" + (" (closed loop)"
+                                                             if unit == "users" else ""),
+                    "key": f"capacity-{wl}-{unit}", "columns": cols, "rows": rows,
+                    "note": "Each column: the probes at the endpoint's claimed capacity "
+                            "(the highest rate that passed), never pooled over rates. Achieved "
+                            "throughput and tokens/s run from a probe's first send to its last "
+                            "completion, so a short probe's drain lowers them; output tokens/s "
+                            "per GPU and $ per million output tokens at capacity are per second "
+                            "of the probe's load, at the capacity at SLO: the capacity table's "
+                            "own figures. Every probe: the per-stage table."})
+    return out
+
+
+def _in_stages(frame: pd.DataFrame, keys: set) -> np.ndarray:
+    """Rows of ``frame`` in the stages ``keys`` ((endpoint, workload, stage index))."""
+    if not keys or not len(frame):
+        return np.zeros(len(frame), bool)
+    k = pd.MultiIndex.from_arrays([frame["endpoint"].astype(str), frame["workload"].astype(str),
+                                   frame["stage"].astype(int)])
+    return np.asarray(k.isin(list(keys)), bool)
+
+
+def _rates_of(frame: pd.DataFrame) -> int:
+    """How many stages (of possibly different loads) the rows come from."""
+    return int(frame["stage_key"].nunique()) if len(frame) else 0
+
+
+def _num(x) -> float:
+    return math.nan if x is None else float(x)
+
+
 def _endpoint_row(label: str, entry: EndpointEntry, rows: pd.DataFrame, figures: dict) -> dict:
     """The endpoints table's row: what run.json recorded (the topology, where it did not, the
     one most of the endpoint's records carry), the URL without its userinfo."""
     return {"name": label, "topology": entry.topology or _mode(rows["topology"]),
             "model": entry.model, "url": redact.redact_url(entry.url), "gpus": entry.gpus,
             "gpu_hour_cost": entry.gpu_hour_cost, "example_price": figures["example_price"]}
-
-
-def _ranked(rows: list[dict], key: str) -> list[dict]:
-    """``rows`` with a ``key`` figure, ranked by it within each workload (endpoints compete on
-    the same traffic only), workloads in the order they first appear; each a copy with its
-    ``rank``."""
-    def group(r):  # an open loop's rate and a closed loop's users do not compare
-        return (r["workload"], r.get("unit", "req/s"))
-
-    order = {w: i for i, w in reversed(list(enumerate(group(r) for r in rows)))}
-    out = sorted((r for r in rows if r[key] is not None),
-                 key=lambda r: (order[group(r)], -r[key]))
-    ranked, last, k = [], None, 0
-    for r in out:
-        k = k + 1 if group(r) == last else 1
-        above = ranked[-1] if k > 1 else None
-        last = group(r)
-        ranked.append({**r, "rank": k, "apart": None if above is None else
-                       ("yes" if _separated(above, r, key) else
-                        f"no: its bracket overlaps {above['endpoint']}'s")})
-    return ranked
-
-
-def _separated(a: dict, b: dict, key: str) -> bool:
-    """Whether ``a`` (ranked above) is shown better than ``b``: the highest rate ``a`` passed,
-    in ``key``'s units, lies above the rate at which ``b`` failed (its capacity at SLO, an
-    interpolation inside its bracket, is not evidence of itself). Otherwise the search cannot
-    tell them apart (a bracket runs from the last passing rate to the first failing one; none
-    failing: open above). Either end may have been settled on its estimate after refinement (the
-    capacity table shows the interval the bootstrap showed beside the bracket): requiring
-    shown ends called every pair of the default bake-off inseparable, where the brackets
-    order the long-document shape as the steady state does."""
-    fail = b.get("fail")
-    return (fail is not None and a.get("passed") is not None
-            and a["passed"] * a[key] / a["capacity"] > fail * b[key] / b["capacity"])
-
-
-def build_capacity(d: ReportData) -> dict | None:
-    """The capacity search's section: per endpoint x workload the capacity at SLO with its
-    bracket (last passing, first failing rate) and the attainment interval of its worst class
-    there, the class that broke first and the SLO it missed, per GPU and per dollar; and the
-    ranking by capacity per GPU and per dollar (``reports.capacity``). None: no search ran."""
-    from kvbench.reports.analysis import capacity as C
-
-    caps = C.summarise(d.stages, d.frame, d.slo)
-    if not caps:
-        return None
-    rows = []
-    for c in caps:
-        ep = d.endpoint(c.endpoint)
-        per = C.per_gpu_and_cost(c, ep.gpus, ep.gpu_hour_cost)
-        at = c.at_capacity or {}
-        br = c.breaks or {}
-        closed = c.unit == "users"
-        num = (lambda x: fmt(x, "count")) if closed else fmt  # whole users
-        rows.append({
-            "endpoint": c.endpoint, "workload": c.workload, "status": c.status,
-            "unit": c.unit, "loop": "closed loop: users" if closed else "open loop: req/s",
-            "capacity": c.estimate_rps, "capacity_text": C.capacity_text(c, fmt),
-            "passed": c.capacity_rps,
-            "fail": c.fail_rps, "low": c.low_rps, "high": c.high_rps,
-            "bracket": (f"{num(c.capacity_rps)} – {num(c.fail_rps)}" if c.fail_rps is not None
-                        else f"≥ {num(c.capacity_rps)}" if c.capacity_rps is not None
-                        else "–")
-            + ("" if (c.low_rps, c.high_rps) == (c.capacity_rps, c.fail_rps)
-               else f" (shown: {c.interval_text})"),
-            "attainment": (f"{fmt(at.get('attainment'), 'fraction')} "
-                           f"[{fmt(at.get('low'), 'fraction')}, "
-                           f"{fmt(at.get('high'), 'fraction')}] ({at.get('worst_class')})"
-                           + (f"; thin: {at['thin']}" if at.get("thin") else "")
-                           + ("; decided on its estimate: the interval still straddles the "
-                              "target after refinement" if at.get("estimate") else "")
-                           if at else "–"),
-            "breaks": (f"{br['class']}: {br['missed'] or '?'} "
-                       f"({fmt(br['attainment'], 'fraction')} within SLO at "
-                       f"{num(br['rate_rps'])} {c.unit})" if br else "none seen"),
-            "gpus": ep.gpus, "gpu_hour_cost": ep.gpu_hour_cost,
-            "per_gpu": per["capacity_per_gpu"], "per_gpu_text": fmt(per["capacity_per_gpu"]),
-            "per_usd": per["capacity_per_usd_hour"],
-            "per_usd_text": fmt(per["capacity_per_usd_hour"]),
-            "usd_per_mtok": fmt(per["usd_per_mtok"]),
-            "probes": c.probes, "load_s": fmt(c.load_s)})
-    by_gpu = _ranked(rows, "per_gpu")
-    by_usd = _ranked(rows, "per_usd")
-    probes = [{"endpoint": s.endpoint, "workload": s.workload, "stage": s.index,
-               "rate": (fmt(s.rate_rps) if s.rate_rps is not None
-                        else f"{s.users} users" if s.users is not None else "–"),
-               "duration": fmt(s.duration_s), "role": s.search.role,
-               "verdict": s.search.verdict or (
-                   "not judged" if s.search.role == "warmup" else "void"),
-               "why": s.search.why or ""}
-              for s in d.stages if s.search is not None]
-    return {"rows": rows, "by_gpu": by_gpu, "by_usd": by_usd, "probes": probes}
 
 
 def _primed(d: ReportData) -> dict[str, tuple[int, int]]:
@@ -329,10 +332,6 @@ def _server_traces(d: ReportData) -> list[dict]:
                 "client_ttft_ms", "queue_ms", "prefill_ms", "frontend_ms", "outside_ms",
                 "decode_ms")}})
     return rows
-
-
-def _nz(x: float) -> float:
-    return -math.inf if x is None or math.isnan(x) else x
 
 
 def _mode(s: pd.Series) -> str:

@@ -1,5 +1,6 @@
 """The report's figures, built with plotly from summarised data (quantiles and bins, never raw
-points at scale), returned as plotly JSON-ready dicts."""
+points at scale), returned as plotly JSON-ready dicts. Over 400 lines: one function per
+figure, each short; splitting them would only scatter the shared layout and colours."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvbench.reports.analysis import engine_counters as E
 from kvbench.reports.statistics import metrics as M
 from kvbench.reports.analysis import pareto as P
 from kvbench.reports.measures.data import ReportData
+from kvbench.reports.measures.frame import itl_values
 from kvbench.reports.statistics.resampling import drop_nan
 
 TIME_BINS = 60
@@ -65,18 +67,27 @@ def cdf_points(values: np.ndarray, points: int = 200) -> tuple[np.ndarray, np.nd
 
 
 def cdfs(d: ReportData, itl_cache: dict[str, np.ndarray]) -> list[Figure]:
+    """CDFs of TTFT, ITL and E2E: one series per endpoint x workload (per endpoint where
+    every endpoint ran one workload)."""
     out = []
     f = d.frame
     ep_col = f["endpoint"].to_numpy()
+    wl_col = f["workload"].astype(str).to_numpy()
+    pairs = [(ep, wl) for ep in d.endpoint_names for wl in dict.fromkeys(wl_col[ep_col == ep])]
+    names = series_names(pairs)
+    one = len({wl for _, wl in pairs}) <= 1
+    masks = {p: (ep_col == p[0]) & (wl_col == p[1]) for p in pairs}
+    itls = ({p: itl_cache[p[0]] for p in pairs} if one else
+            {p: itl_values(f[masks[p]]) for p in pairs})
     for key, col, title in (("cdf_ttft", "ttft_ms", "CDF of TTFT"),
                             ("cdf_itl", "itl_ms", "CDF of inter-token latency (ITL)"),
                             ("cdf_e2e", "e2e_ms", "CDF of end-to-end latency (E2E)")):
         fig = go.Figure()
-        for ep in d.endpoint_names:
-            v = itl_cache[ep] if col == "itl_ms" else f[col].to_numpy()[ep_col == ep]
+        for p in pairs:
+            v = itls[p] if col == "itl_ms" else f[col].to_numpy()[masks[p]]
             x, y = cdf_points(v)
             if len(x):
-                fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=ep))
+                fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=names[p]))
         fig.update_xaxes(title_text="ms", type="log")
         fig.update_yaxes(title_text="fraction of " + ("gaps" if col == "itl_ms" else
                                                       "requests"), range=[0, 1])
@@ -84,28 +95,50 @@ def cdfs(d: ReportData, itl_cache: dict[str, np.ndarray]) -> list[Figure]:
     return out
 
 
+def series_names(pairs) -> dict:
+    """A legend name per (endpoint, workload): the endpoint alone when every series runs one
+    workload, the workload alone when there is one endpoint, both otherwise (a legend names
+    only what differs)."""
+    pairs = list(dict.fromkeys((str(e), str(w)) for e, w in pairs))
+    eps = {e for e, _ in pairs}
+    wls = {w for _, w in pairs}
+    return {(e, w): (e if len(wls) <= 1 else w if len(eps) == 1 else f"{e} · {w}")
+            for e, w in pairs}
+
+
 def load_curves(d: ReportData, stage_table: pd.DataFrame) -> list[Figure]:
-    """Latency and goodput against offered load (one point per stage)."""
+    """Latency and goodput against offered load: one series per endpoint x workload (one
+    point per stage; workloads are never joined into one line), and one offered-load
+    reference (achieved = offered) where the stages ran at a rate."""
     if stage_table.empty:
         return []
     lat = go.Figure()
     good = go.Figure()
     x_title = stage_table.attrs.get("x_title", "offered load")
-    for ep, rows in stage_table.groupby("endpoint", sort=False):
+    groups = list(stage_table.groupby(["endpoint", "workload"], sort=False, observed=True))
+    names = series_names(k for k, _ in groups)
+    for i, (key, rows) in enumerate(groups):
+        name = names[(str(key[0]), str(key[1]))]
         rows = rows.sort_values("offered")
+        colour = _colour(i)
         lat.add_trace(go.Scatter(x=rows["offered"], y=rows["ttft_p50"], mode="lines+markers",
-                                 name=f"{ep} TTFT p50"))
+                                 line=dict(color=colour), legendgroup=name,
+                                 name=f"{name}: TTFT p50"))
         lat.add_trace(go.Scatter(x=rows["offered"], y=rows["ttft_p99"], mode="lines+markers",
-                                 line=dict(dash="dash"), name=f"{ep} TTFT p99"))
+                                 line=dict(dash="dash", color=colour), legendgroup=name,
+                                 name=f"{name}: TTFT p99"))
         good.add_trace(go.Scatter(x=rows["offered"], y=rows["goodput_rps"],
-                                  mode="lines+markers", name=f"{ep} goodput"))
+                                  mode="lines+markers", line=dict(color=colour),
+                                  legendgroup=name, name=f"{name}: goodput"))
         good.add_trace(go.Scatter(x=rows["offered"], y=rows["throughput_rps"],
-                                  mode="lines+markers", line=dict(dash="dot"),
-                                  name=f"{ep} achieved throughput"))
-        if "offered_rps" in rows and rows["offered_rps"].notna().any():
-            good.add_trace(go.Scatter(x=rows["offered"], y=rows["offered_rps"],
-                                      mode="lines", line=dict(dash="dash", color="#9aa1ad"),
-                                      name=f"{ep} offered"))
+                                  mode="lines+markers", line=dict(dash="dot", color=colour),
+                                  legendgroup=name, name=f"{name}: achieved"))
+    rated = stage_table["offered_rps"].notna() if "offered_rps" in stage_table else None
+    if rated is not None and rated.any() and x_title.startswith("offered load (req/s)"):
+        top = float(np.nanmax(stage_table.loc[rated, "offered"].to_numpy(np.float64)))
+        good.add_trace(go.Scatter(x=[0.0, top], y=[0.0, top], mode="lines",
+                                  line=dict(dash="dash", color="#9aa1ad"),
+                                  name="offered (achieved = offered)", hoverinfo="skip"))
     lat.update_xaxes(title_text=x_title)
     lat.update_yaxes(title_text="TTFT (ms)")
     good.update_xaxes(title_text=x_title)
@@ -277,8 +310,13 @@ def gpu_timelines(d: ReportData) -> Figure | None:
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=("SM active (fraction)", "HBM used (fraction)"))
     palette = plotly.colors.qualitative.Plotly
+    roles = agg.groupby("endpoint")["role"].nunique()
+    one_ep = len(roles) == 1
     for i, ((ep, role), rows) in enumerate(agg.groupby(["endpoint", "role"])):
-        name = f"{ep} {role}".strip()
+        # name what differs: the endpoint where it has one role ("colocated", not
+        # "colocated colocated"), the role where there is one endpoint
+        name = (str(ep) if roles[ep] == 1 and ep else str(role) if one_ep
+                else f"{ep}: {role}" if ep else str(role))
         line = dict(color=palette[i % len(palette)])
         fig.add_trace(go.Scatter(x=centre[rows["bin"]], y=rows["sm"], mode="lines", name=name,
                                  legendgroup=name, line=line), row=1, col=1)
@@ -325,8 +363,13 @@ def pareto_plot(points: pd.DataFrame, endpoints: list[str]) -> Figure | None:
     pts = pts.reset_index(drop=True)
     fig = go.Figure()
     order = [ep for ep in endpoints if ep in set(pts["endpoint"])]
-    for i, ep in enumerate(order):
-        rows = pts[pts["endpoint"] == ep].sort_values("tps_per_gpu")
+    pairs = [(ep, wl) for ep in order for wl in dict.fromkeys(
+        pts.loc[pts["endpoint"] == ep, "workload"].astype(str))]
+    names = series_names(pairs)
+    for i, (ep, wl) in enumerate(pairs):
+        label = names[(ep, wl)]
+        rows = pts[(pts["endpoint"] == ep) & (pts["workload"].astype(str) == wl)
+                   ].sort_values("tps_per_gpu")
         hover = [f"{ep}: {r.workload} stage {r.stage}"
                  + (f", {r.rate_rps:g} req/s planned" if r.rate_rps == r.rate_rps
                     and r.rate_rps is not None else "")
@@ -340,16 +383,16 @@ def pareto_plot(points: pd.DataFrame, endpoints: list[str]) -> Figure | None:
                  for r in rows.itertuples()]
         fig.add_trace(go.Scatter(x=rows["tps_per_gpu"].tolist(),
                                  y=rows["per_user_tps"].tolist(),
-                                 mode="lines+markers", name=ep, text=hover,
+                                 mode="lines+markers", name=label, text=hover,
                                  hoverinfo="text", line=dict(color=_colour(i))))
         k = P.knee(rows["tps_per_gpu"], rows["per_user_tps"])
         if k is not None:
             r = rows.iloc[k]
             fig.add_trace(go.Scatter(x=[float(r["tps_per_gpu"])], y=[float(r["per_user_tps"])],
-                                     mode="markers", name=f"{ep} knee",
+                                     mode="markers", name=f"{label} knee",
                                      marker=dict(symbol="star", size=16, color=_colour(i),
                                                  line=dict(color="#1d2330", width=1)),
-                                     hovertext=f"{ep} knee: {r['tps_per_gpu']:,.1f} tok/s "
+                                     hovertext=f"{label} knee: {r['tps_per_gpu']:,.1f} tok/s "
                                                f"per GPU at {r['per_user_tps']:,.1f} tok/s "
                                                "per user", hoverinfo="text"))
     front = P.frontier(pts["tps_per_gpu"], pts["per_user_tps"])

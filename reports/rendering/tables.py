@@ -12,7 +12,7 @@ import pandas as pd
 from kvbench.core.contract import StageEntry
 from kvbench.reports.statistics import metrics as M
 from kvbench.reports.analysis import pareto as P
-from kvbench.reports.rendering.cells import SLO_METRICS, Cell, fmt, table_rows
+from kvbench.reports.rendering.cells import NO_SLO, SLO_METRICS, Cell, fmt, table_rows
 from kvbench.reports.measures.data import ReportData
 
 # ITL stays in the per-endpoint summary: pooling gaps per group costs a gather of millions.
@@ -161,7 +161,7 @@ def per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
         return {"rows": [], "example_price": False, "unknown_gpus": [], "knee_pct": ""}
     on_front = set(P.frontier(points["tps_per_gpu"], points["per_user_tps"]).tolist())
     knees = set()
-    for _, rows in points.groupby("endpoint", sort=False):
+    for _, rows in points.groupby(["endpoint", "workload"], sort=False):
         k = P.knee(rows["tps_per_gpu"], rows["per_user_tps"])
         if k is not None:
             knees.add(int(rows.index[k]))
@@ -187,3 +187,34 @@ def per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
             "unknown_gpus": sorted(set(points.loc[~points["gpus_known"].astype(bool),
                                                   "endpoint"]))}
 
+
+
+def bake_rankings(frames: dict[str, pd.DataFrame], entry) -> list[dict]:
+    """Per workload, the endpoints ranked by goodput at SLO and by cost per million output
+    tokens over their stages of it (``frames``: per endpoint label, the rows to rank on; the
+    stages outside a capacity search); ``entry(label)``: the endpoint's run.json entry. Only
+    endpoints that ran the same workload are compared."""
+    out = []
+    workloads = list(dict.fromkeys(str(w) for sub in frames.values()
+                                   for w in sub["workload"].astype(str).unique()))
+    for wl in workloads:
+        goodput, cost = [], []
+        for ep, sub in frames.items():
+            rows = sub[sub["workload"].astype(str).to_numpy() == wl]
+            if not len(rows):
+                continue
+            no_slo = not M.with_slo(rows).any()
+            v = M.evaluate(rows, ("goodput_rps", "slo_attainment"))
+            goodput.append({"endpoint": ep, "value": v["goodput_rps"], "no_slo": no_slo,
+                            "text": NO_SLO if no_slo else fmt(v["goodput_rps"]),
+                            "slo": NO_SLO if no_slo else fmt(v["slo_attainment"], "fraction")})
+            figs = P.endpoint_figures(rows, entry(ep))
+            if not math.isnan(figs["cost_per_m"]):
+                cost.append({"endpoint": ep, "value": figs["cost_per_m"],
+                             "text": fmt(figs["cost_per_m"]), "gpus": entry(ep).gpus,
+                             "gpu_hour_cost": entry(ep).gpu_hour_cost,
+                             "example_price": figs["example_price"]})
+        goodput.sort(key=lambda r: -(r["value"] if r["value"] == r["value"] else -math.inf))
+        cost.sort(key=lambda r: r["value"])
+        out.append({"workload": wl, "by_goodput": goodput, "by_cost": cost})
+    return out
