@@ -19,7 +19,8 @@ from kvbench.reports.analysis import pareto as P
 from kvbench.reports.rendering import tables
 from kvbench.reports.rendering.cells import NO_SLO, SLO_METRICS, fmt, metric_row, table_rows
 from kvbench.reports.measures.data import ReportData
-from kvbench.reports.analysis.diagnose import diagnose
+from kvbench.reports.analysis.diagnose import diagnose, order
+from kvbench.reports.analysis.numbering import label_of, labels, number
 from kvbench.reports.measures.frame import itl_values, wall_s
 from kvbench.reports.statistics.resampling import CI
 
@@ -70,7 +71,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                                   else None,
                                   no_slo=no_slo_ep if name in SLO_METRICS else None))
     stage_rates = O.rates(f)
-    summary.append(tables.overload_row(stage_rates, eps))
+    summary.append(tables.overload_row(stage_rates, eps, labels(d.stages)))
     if engine_hits:
         summary.append(metric_row("prefix hit ratio (engine counters)", "fraction",
                                   [engine_hits.get(ep, math.nan) for ep in eps], True))
@@ -84,9 +85,11 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
 
     by_class = tables.group_tables(f, "request_class")
     stage_table = tables.stage_table(d, stage_rates)
-    by_stage = table_rows(stage_table, ["endpoint", "workload", "stage", "load",
-                                        "overloaded", tables.LOOP_PAUSE]
-                          ) if not stage_table.empty else []
+    names = labels(d.stages)  # "probe N" / "stage N", as the console says them
+    by_stage = table_rows(stage_table.assign(stage=[label_of(names, *k) for k in zip(
+        stage_table["endpoint"], stage_table["workload"], stage_table["stage"])]),
+                          ["endpoint", "workload", "stage", "load",
+                           "overloaded", tables.LOOP_PAUSE]) if not stage_table.empty else []
     no_slo_classes = tables.no_slo_classes(f)
     # by topology alone, when endpoints share one (otherwise it repeats the summary)
     by_topology = (table_rows(M.summarise(f, by=["topology"], metrics=tables.GROUP_METRICS),
@@ -135,7 +138,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     points = P.stage_points(f, d.endpoints, d.stages)
     per_gpu = tables.per_gpu_block(points, stage_table)
     figures = all_figures(d, stage_table, itl_cache, points) if figures else []
-    findings = diagnose(d) + as_findings(cache_verified)
+    findings = order(diagnose(d) + as_findings(cache_verified))
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -267,7 +270,7 @@ def build_capacity(d: ReportData) -> dict | None:
             "probes": c.probes, "load_s": fmt(c.load_s)})
     by_gpu = _ranked(rows, "per_gpu")
     by_usd = _ranked(rows, "per_usd")
-    probes = [{"endpoint": s.endpoint, "workload": s.workload, "stage": s.index,
+    probes = [{"endpoint": s.endpoint, "workload": s.workload, "stage": number(s.index),
                "rate": (fmt(s.rate_rps) if s.rate_rps is not None
                         else f"{s.users} users" if s.users is not None else "–"),
                "duration": fmt(s.duration_s), "role": s.search.role,

@@ -327,7 +327,7 @@ def pareto_plot(points: pd.DataFrame, endpoints: list[str]) -> Figure | None:
     order = [ep for ep in endpoints if ep in set(pts["endpoint"])]
     for i, ep in enumerate(order):
         rows = pts[pts["endpoint"] == ep].sort_values("tps_per_gpu")
-        hover = [f"{ep}: {r.workload} stage {r.stage}"
+        hover = [f"{ep}: {r.workload} stage {int(r.stage) + 1}"
                  + (f", {r.rate_rps:g} req/s planned" if r.rate_rps == r.rate_rps
                     and r.rate_rps is not None else "")
                  + (f", {int(r.users)} users" if r.users == r.users and r.users is not None
