@@ -15,6 +15,8 @@ from kvbench.endpoints.histogram import Histogram
 from kvbench.model.profiles import HARDWARE
 
 MIB = 1024 * 1024
+# the offload tiers' sizes: what the cache check's theoretical hit ratio models below HBM
+TIER_CAPACITY = "kvbench:kv_tier_capacity_tokens"
 ADAPTER = engines.get("builtin")
 
 
@@ -143,6 +145,14 @@ def render(cluster: Cluster) -> str:
     for e in engines:
         out.sample("kvbench:kv_capacity_tokens", {"engine": e.name},
                    e.cache.capacity_blocks * cfg.block_tokens)
+    out.family(TIER_CAPACITY, "gauge",
+               "KV capacity of one engine's offload tiers below HBM (tier: dram, disk), in "
+               "tokens.")
+    for e in engines:
+        for tier in (e.dram, e.disk):
+            if tier is not None:
+                out.sample(TIER_CAPACITY, {"engine": e.name, "tier": tier.name},
+                           tier.capacity_blocks * cfg.block_tokens)
     out.family("kvbench:step_lateness_seconds", "histogram",
                "How late each engine step ended against its modelled duration.")
     for e in engines:

@@ -356,7 +356,7 @@ def test_loop_pause_is_shown_beside_lateness_and_blamed_on_the_load_process(tmp_
     assert len(found) == 1
     ev = dict(found[0].evidence)
     key = next(k for k in ev if k.startswith("largest event-loop pause"))
-    assert "stage 0" in key and ev[key].startswith("42.5 ms")
+    assert "stage 1" in key and ev[key].startswith("42.5 ms")
     ctx = build_context(d)
     stage = ctx["by_stage"]
     col = stage["keys"].index(LOOP_PAUSE)

@@ -87,7 +87,10 @@ class Console:
 
     @staticmethod
     def say(line: str, err: bool = False) -> None:
-        print(line, file=sys.stderr if err else sys.stdout, flush=True)
+        # whole lines, each naming its lane when endpoints run side by side
+        from kvbench.runs.search.console import emit
+
+        emit(line, sys.stderr if err else sys.stdout)
 
     def no_slo(self, classes: list[str], cfg_path) -> None:
         self.say(f"kvbench: warning: no SLO for request class(es) {', '.join(classes)} in "
@@ -158,20 +161,24 @@ class Console:
               f"{counts['requests_started']} requests started, {total_cancelled} cancelled at "
               f"the stop (not errors), {counts['dropped_at_cap']} dropped at the in-flight cap; "
               f"results in {run_dir}")
-        self.overloaded(frame)
+        self.overloaded(frame, res.meta.stages or [])
         self.capacity(frame, res.meta)
         print(f"next: kvbench report {run_dir} -o report.html")
 
     @staticmethod
-    def overloaded(frame) -> None:
+    def overloaded(frame, stages=()) -> None:
         """One line per stage the endpoint could not keep up with (the reports' verdict:
-        achieved throughput and first tokens/s both clearly below the offered rate)."""
+        achieved throughput and first tokens/s both clearly below the offered rate), but a
+        capacity search's probes above its capacity (``diagnose.search``: how it found it)."""
         from kvbench.reports.analysis import overload
+        from kvbench.reports.analysis.diagnose.search import exempt, keep_mask
+        from kvbench.reports.analysis.numbering import label_of, labels
 
-        rates = overload.rates(frame)
+        rates = overload.rates(frame[keep_mask(frame, exempt(stages))])
+        names = labels(stages)
         for _, r in rates[rates["overloaded"].fillna(False).astype(bool)].iterrows():
-            print(f"kvbench run: OVERLOADED: {r['endpoint']} x {r['workload']} stage "
-                  f"{r['stage']}: offered {r['offered_rps']:.2f} req/s, achieved "
+            print(f"kvbench run: OVERLOADED: {r['endpoint']} x {r['workload']} "
+                  f"{label_of(names, r['endpoint'], r['workload'], r['stage'])}: offered {r['offered_rps']:.2f} req/s, achieved "
                   f"{r['throughput_rps']:.2f} req/s (first tokens {r['started_rps']:.2f}/s); "
                   "the report's diagnosis says why")
 

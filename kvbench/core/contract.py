@@ -295,9 +295,20 @@ class CacheTheory(Entry):
     hit_ratio_unbounded: Num | None = None
     hit_ratio_lru: Num | None = None
     block_tokens: Count | None = None
-    capacity_tokens: Count | None = None
+    capacity_tokens: Count | None = None  # HBM KV per replica
     after_priming: Count | None = None
+    # offload tiers below HBM (DRAM, disk), modelled with it: their KV per replica, or
+    # ``tiers_unbounded`` where the engine served hits from tiers whose size it does not publish
+    tier_tokens: Count | None = None
+    tiers_unbounded: bool | None = None
+    # the ratio over only the requests that finished (those whose records hold cached tokens),
+    # the cache simulated over every request the engine prefilled
+    hit_ratio_finished: Num | None = None
+    requests_finished: Count | None = None
     extra: dict = field(default_factory=dict, repr=False, compare=False)
+
+    _only_when_set: ClassVar = ("tier_tokens", "tiers_unbounded", "hit_ratio_finished",
+                                "requests_finished")
 
 
 @dataclass

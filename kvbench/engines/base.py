@@ -34,6 +34,11 @@ class EngineAdapter:
     # True when ``prefix_queries`` counts only the tokens the engine computed (cache misses),
     # so queries = hits + that counter (llama.cpp's prompt_tokens_total)
     queries_exclude_hits: bool = False
+    # prompt tokens served from offload tiers below HBM (a KV connector: CPU DRAM, disk,
+    # LMCache), counted apart from ``prefix_hits``: the engine's whole hit count is
+    # ``prefix_hits`` + the first of these it publishes (they count the same hits, so never
+    # more than one)
+    tier_hits: tuple[str, ...] = ()
     prompt_tokens: str | None = None
     generation_tokens: str | None = None
     kv_usage: str | None = None  # gauge, fraction 0..1 of KV capacity in use

@@ -30,6 +30,13 @@ VLLM = register(EngineAdapter(
     name="vllm", title="vLLM", prefixes=("vllm:",),
     prefix_hits="vllm:prefix_cache_hits_total",
     prefix_queries="vllm:prefix_cache_queries_total",
+    # Hits from a KV connector's tiers (CPU offload, LMCache), beyond the HBM prefix cache:
+    # vLLM's own connector counters first (its scheduler counts, per request, the tokens the
+    # connector supplied after the local hits); else LMCache's, which it exports on the same
+    # /metrics (counter "lmcache:num_hit_tokens", sampled with _total, beside
+    # "lmcache:num_requested_tokens": LMCache's lmcache/observability.py and its
+    # "Metrics Reference" page). Both name the same hits where both are present.
+    tier_hits=("vllm:external_prefix_cache_hits_total", "lmcache:num_hit_tokens_total"),
     prompt_tokens="vllm:prompt_tokens_total",
     generation_tokens="vllm:generation_tokens_total",
     kv_usage="vllm:kv_cache_usage_perc",  # a fraction despite its name

@@ -64,11 +64,18 @@ def _why(exc: BaseException) -> str:
     return str(getattr(exc, "reason", exc))[:120]
 
 
+# The built-in emulator's offload-tier sizes per engine (``endpoints.metrics.TIER_CAPACITY``)
+TIER_CAPACITY = "kvbench:kv_tier_capacity_tokens"
+
+
 def read_counters(metrics_url: str, adapter: engines.EngineAdapter,
                   headers: dict) -> dict | None:
     """The engine's token counters now (summed over label sets), with its KV geometry where it
-    publishes it: {hits, queries, prompt, generation, block_tokens, capacity_tokens}; None
-    when /metrics cannot be read."""
+    publishes it: {hits, queries, prompt, generation, tier_hits, block_tokens,
+    capacity_tokens, tier_capacity_tokens}; None when /metrics cannot be read. ``tier_hits``:
+    hits served from offload tiers below HBM (the first of ``adapter.tier_hits`` published;
+    None: none is); ``tier_capacity_tokens``: those tiers' KV per replica, where the engine
+    publishes it."""
     from kvbench.collectors.prometheus import parse_metrics
 
     try:
@@ -80,16 +87,22 @@ def read_counters(metrics_url: str, adapter: engines.EngineAdapter,
         return None
     sums: dict[str, float] = {}
     geometry = None
+    tiers: dict[str, float] = {}  # engine -> its tiers' tokens
     for name, labels, value in zip(batch.column("metric").to_pylist(),
                                    batch.column("labels").to_pylist(),
                                    batch.column("value").to_pylist()):
         sums[name] = sums.get(name, 0.0) + value
         if name == adapter.cache_config and geometry is None:
             geometry = adapter.geometry(dict(labels or []))
+        elif name == TIER_CAPACITY:
+            eng = dict(labels or []).get("engine", "")
+            tiers[eng] = tiers.get(eng, 0.0) + value
     out = {k: sums.get(n) if n else None for k, n in (
         ("hits", adapter.prefix_hits), ("queries", adapter.prefix_queries),
         ("prompt", adapter.prompt_tokens), ("generation", adapter.generation_tokens))}
+    out["tier_hits"] = next((sums[n] for n in adapter.tier_hits if n in sums), None)
     out["block_tokens"], out["capacity_tokens"] = geometry or (None, None)
+    out["tier_capacity_tokens"] = max(tiers.values()) if tiers else None
     return out
 
 
@@ -251,8 +264,9 @@ def finish(entry: JobCache, job, adapter: engines.EngineAdapter, headers: dict,
            workload=None) -> JobCache:
     """The entry completed after the job: the engine's counters read now and the theoretical
     hit ratio of exactly the requests the job sent (after what priming sent), at the engine's
-    block size where it publishes one (its family's default otherwise). ``workload``: the
-    configured generator (rebuilt here when the job ran on a fresh seed)."""
+    block size where it publishes one (its family's default otherwise), over every tier the
+    engine keeps KV in (``tiers``). ``workload``: the configured generator (rebuilt here when
+    the job ran on a fresh seed)."""
     ep = job.endpoint
     primed, entry.primed = entry.primed, []
     entry.counters_after = after = read_counters(ep.metrics_url or ep.url + "/metrics",
@@ -264,15 +278,34 @@ def finish(entry: JobCache, job, adapter: engines.EngineAdapter, headers: dict,
     try:
         if workload is None or entry.fresh_seed:
             workload = job.build_workload()
-        ids = sent_ids(job, entry)
-        entry.theoretical = theoretical(workload, ids, primed, block, capacity)
+        ids, finished = sent(job, entry)
+        entry.theoretical = theoretical(workload, ids, primed, block, capacity,
+                                        finished=finished, tiers=tiers(entry))
     except Exception as exc:  # noqa: BLE001 - the run's records matter more
         entry.notes.append(f"theoretical hit ratio not computed ({exc})"[:200])
     return entry
 
 
-def sent_ids(job, entry: CacheState) -> list[str]:
-    """The request ids the job sent, in send order (its records within its time window)."""
+def tiers(entry: CacheState) -> int | None | bool:
+    """The KV an engine keeps below HBM per replica, as the theoretical ratio models it: the
+    tokens its offload tiers hold where it publishes them (the built-in emulator's DRAM and
+    disk: a prefix evicted from HBM but still in DRAM is a hit); True (unbounded) where it
+    served hits from a tier whose size it does not publish (vLLM with a KV connector); None:
+    HBM alone."""
+    before, after = entry.counters_before or {}, entry.counters_after or {}
+    size = after.get("tier_capacity_tokens") or before.get("tier_capacity_tokens")
+    if size:
+        return int(size)
+    b, a = before.get("tier_hits"), after.get("tier_hits")
+    if a is not None and b is not None and a - b > 0:
+        return True
+    return None
+
+
+def sent(job, entry: CacheState) -> tuple[list[str], list[bool]]:
+    """The request ids the job had prefilled, in send order (its records within its time
+    window: finished, or a first token seen), and whether each finished (its record holds
+    the server's usage; a request cut in flight holds none)."""
     import pyarrow.compute as pc
 
     from kvbench.core import store
@@ -280,7 +313,7 @@ def sent_ids(job, entry: CacheState) -> list[str]:
     t = store.read_table(job.run_dir, "requests", columns=[
         "endpoint", "workload", "request_id", "t_sent", "status", "ttft_ns"])
     if t.num_rows == 0:
-        return []
+        return [], []
     mask = pc.and_(pc.and_(pc.equal(t["endpoint"], job.endpoint.name),
                            pc.equal(t["workload"], job.workload)),
                    pc.and_(pc.greater_equal(t["t_sent"], entry.t_start_ns),
@@ -288,14 +321,25 @@ def sent_ids(job, entry: CacheState) -> list[str]:
     # only what the server prefilled: finished, or a first token seen
     mask = pc.and_(mask, pc.or_(pc.equal(t["status"], "ok"), pc.is_valid(t["ttft_ns"])))
     rows = t.filter(mask).sort_by("t_sent")
-    return [str(x) for x in rows["request_id"].to_pylist()]
+    return ([str(x) for x in rows["request_id"].to_pylist()],
+            [x != "cancelled" for x in rows["status"].to_pylist()])
+
+
+def sent_ids(job, entry: CacheState) -> list[str]:
+    """The request ids the job had prefilled, in send order (``sent``)."""
+    return sent(job, entry)[0]
 
 
 def theoretical(workload, ids: list[str], primed: list[str], block_tokens: int,
-                capacity_tokens: int | None) -> CacheTheory:
+                capacity_tokens: int | None, finished: list[bool] | None = None,
+                tiers: int | bool | None = None) -> CacheTheory:
     """Hit ratio an ideal prefix cache reaches on ``ids`` (request ids, ``#pass`` suffixes
     allowed) in order, after ``primed`` completion prompts: unbounded, and LRU over
-    ``capacity_tokens`` where known."""
+    ``capacity_tokens`` where known, plus ``tiers`` (tokens held in offload tiers below HBM:
+    a prefix in any tier is a hit; True: tiers of unknown size, so unbounded). ``finished``:
+    per id, whether its request finished; the ratio over those alone is
+    ``hit_ratio_finished`` (the records' cached tokens cover only them), the cache simulated
+    over all."""
     from kvbench.workloads.describe import PrefixCacheSim, base_request_id, block_keys
     from kvbench.workloads.tokenizer import BuiltinTokenizer, get_tokenizer
 
@@ -309,11 +353,16 @@ def theoretical(workload, ids: list[str], primed: list[str], block_tokens: int,
             toks = split(tok.render_chat(r.messages)) if r.messages is not None \
                 else split_prompt(r.prompt)
             keys_of[r.request_id] = (len(toks), block_keys(toks, block_tokens))
-    sim = PrefixCacheSim(None if not capacity_tokens else int(capacity_tokens) // block_tokens)
+    unbounded_tiers = tiers is True
+    modelled = None if not capacity_tokens or unbounded_tiers else \
+        int(capacity_tokens) + (int(tiers) if tiers else 0)
+    sim = PrefixCacheSim(None if modelled is None else modelled // block_tokens)
     for text in primed:
         sim.add(block_keys(split_prompt(text), block_tokens))
     total = hits = hits_lru = missing = 0
-    for i in ids:
+    done_total = done_hits = n_done = 0
+    finished = finished if finished is not None and len(finished) == len(ids) else None
+    for k, i in enumerate(ids):
         got = keys_of.get(base_request_id(i))
         if got is None:
             missing += 1
@@ -322,8 +371,19 @@ def theoretical(workload, ids: list[str], primed: list[str], block_tokens: int,
         total += got[0]
         hits += h * block_tokens
         hits_lru += (hl or 0) * block_tokens
+        if finished is not None and finished[k]:
+            n_done += 1
+            done_total += got[0]
+            done_hits += (h if hl is None else hl) * block_tokens
+    extra = {}
+    if tiers:
+        extra = {"tier_tokens": None if unbounded_tiers else int(tiers),
+                 "tiers_unbounded": True if unbounded_tiers else None}
+    if finished is not None:
+        extra.update(hit_ratio_finished=done_hits / done_total if done_total else None,
+                     requests_finished=n_done)
     return CacheTheory(requests=len(ids) - missing, unmatched=missing, prompt_tokens=total,
                        hit_ratio_unbounded=hits / total if total else None,
-                       hit_ratio_lru=hits_lru / total if total and capacity_tokens else None,
+                       hit_ratio_lru=hits_lru / total if total and modelled else None,
                        block_tokens=block_tokens, capacity_tokens=capacity_tokens,
-                       after_priming=len(primed))
+                       after_priming=len(primed), **extra)

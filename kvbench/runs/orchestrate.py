@@ -207,7 +207,14 @@ class MatrixRun:
 
     def one(self, k: int, job, wls: dict, quiet: bool = False) -> None:
         """Job ``k``: its cache state prepared, its load run (a search's probes, or its
-        stages), its cache counters read after."""
+        stages), its cache counters read after. ``quiet``: a lane of endpoints run side by
+        side, whose every line names its endpoint x workload (``search.console.lane``)."""
+        from kvbench.runs.search import console
+
+        with console.lane(f"{job.endpoint.name} x {job.workload}" if quiet else None):
+            self._one(k, job, wls, quiet)
+
+    def _one(self, k: int, job, wls: dict, quiet: bool) -> None:
         from kvbench.runs import cache, finalize, locust, progress, search
 
         n = len(self.jobs)

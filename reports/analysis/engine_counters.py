@@ -88,24 +88,62 @@ def _increases(engine: pa.Table, by_ep: dict[str, EngineAdapter], counter) -> di
     return out
 
 
+def tier_hits(engine: pa.Table, by_ep: dict[str, EngineAdapter] | None = None
+              ) -> dict[str, tuple[str, float]]:
+    """Per endpoint: (counter, increase) of the hits its offload tiers served (the first of
+    its adapter's ``tier_hits`` the endpoint published: vLLM's external prefix-cache hits,
+    else LMCache's hit tokens; they count the same hits)."""
+    by_ep = adapters(engine) if by_ep is None else by_ep
+    out: dict[str, tuple[str, float]] = {}
+    names = {n for a in by_ep.values() for n in a.tier_hits}
+    incs = {n: counter_increase(engine, n) for n in sorted(names)}
+    for ep, a in by_ep.items():
+        for n in a.tier_hits:
+            if ep in incs.get(n, {}):
+                out[ep] = (n, incs[n][ep])
+                break
+    return out
+
+
 def hit_ratio(engine: pa.Table) -> dict[str, float]:
     """Per endpoint: the engine's prefix-cache hit ratio over the run, from the increases of
-    the hit and query counters its adapter names (``EngineAdapter.hit_ratio``)."""
+    the hit and query counters its adapter names (``EngineAdapter.hit_ratio``), its hits
+    counting those its offload tiers served (``tier_hits``) beside HBM's."""
     by_ep = adapters(engine)
     hits = _increases(engine, by_ep, lambda a: a.prefix_hits if a.hit_counters() else None)
     queries = _increases(engine, by_ep, lambda a: a.prefix_queries if a.hit_counters() else None)
+    tiers = tier_hits(engine, by_ep)
     out = {}
     for ep, q in queries.items():
-        ratio = by_ep[ep].hit_ratio(hits.get(ep, 0.0), q)
+        h = hits.get(ep, 0.0) + tiers.get(ep, ("", 0.0))[1]
+        ratio = by_ep[ep].hit_ratio(h, q)
         if ratio is not None:
             out[ep] = ratio
     return out
 
 
-def preemptions(engine: pa.Table) -> dict[str, tuple[str, float]]:
-    """Per endpoint: (the counter its adapter names, its increase) for engine preemptions."""
+def preemptions(engine: pa.Table, windows: dict[str, list[tuple[int, int]]] | None = None
+                ) -> dict[str, tuple[str, float]]:
+    """Per endpoint: (the counter its adapter names, its increase) for engine preemptions.
+    ``windows``: per endpoint, the (start, end) ns it is judged over (the increase between
+    the samples within each; an endpoint not named: the whole run)."""
     by_ep = adapters(engine)
-    inc = _increases(engine, by_ep, lambda a: a.preemptions)
+    if not by_ep:
+        return {}
+    if windows:
+        t = engine.column("t_ns").to_numpy()
+        eps = np.asarray(engine.column("endpoint").to_pylist(), dtype=object)
+        incs: dict[str, float] = {}
+        for ep, spans in windows.items():  # each window on its own: no gap between them
+            for t0, t1 in spans:
+                part = engine.filter(pa.array((eps == ep) & (t >= t0) & (t <= t1)))
+                got = _increases(part, by_ep, lambda a: a.preemptions)
+                incs[ep] = incs.get(ep, 0.0) + got.get(ep, 0.0)
+        rest = _increases(engine.filter(pa.array(~np.isin(eps, list(windows)))), by_ep,
+                          lambda a: a.preemptions)
+        inc = {**rest, **{ep: v for ep, v in incs.items() if ep in by_ep}}
+    else:
+        inc = _increases(engine, by_ep, lambda a: a.preemptions)
     return {ep: (by_ep[ep].preemptions, v) for ep, v in inc.items()}
 
 
@@ -165,6 +203,7 @@ def comparison(engine: pa.Table, frame: pd.DataFrame,
     for name in names:
         for ep, v in counter_increase(engine, name).items():
             increases.setdefault(ep, {})[name] = v
+    tiers = tier_hits(engine, by_ep)  # offload tiers' hits count with HBM's
     ep_col = frame["endpoint"].astype(str).to_numpy()
     rows = []
     for ep, a in sorted(by_ep.items()):
@@ -181,6 +220,8 @@ def comparison(engine: pa.Table, frame: pd.DataFrame,
             # client's plan): the records' side is the requests that finished
             mine = float(np.nansum(sub[quantity].to_numpy()[~sub["cancelled"].to_numpy()]))
             theirs = float(sum(inc[c] for c in counters))
+            if quantity == "cached_tokens" and ep in tiers:
+                theirs += tiers[ep][1]
             note = ""
             if cancelled and quantity != "completion_tokens":
                 note = (f"{cancelled:,} request{'s' * (cancelled != 1)} cancelled at the "

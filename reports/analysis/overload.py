@@ -82,13 +82,15 @@ def rates(frame: pd.DataFrame, by: Sequence[str] = ("endpoint", "workload", "sta
           shortfall: float = SHORTFALL, alpha: float = ALPHA) -> pd.DataFrame:
     """One row per group of ``by``: scheduled, completed, started (first token) and good
     request counts, the offered rate, achieved throughput, first tokens/s and goodput, the
-    achieved, started and schedule intervals (s), the drain after the schedule, and the
-    verdicts with p-values: ``overloaded`` (achieved and first tokens/s clearly below offered)
+    achieved, started and schedule intervals (s), the drain after the schedule (never below
+    zero: a stage whose last answer came before its schedule ended, or that was cut with its
+    requests in flight, left no backlog to drain), the requests cut in flight
+    (``cancelled``), and the verdicts with p-values: ``overloaded`` (achieved and first tokens/s clearly below offered)
     and ``goodput_short`` (goodput and first tokens/s clearly below offered; None where the
     group has no class with an SLO)."""
     cols = list(by) + ["scheduled", "completed", "started", "good", "offered_rps",
                        "throughput_rps", "started_rps", "goodput_rps", "achieved_s",
-                       "started_s", "offered_s", "drain_s", "overloaded", "p_value",
+                       "started_s", "offered_s", "drain_s", "cancelled", "overloaded", "p_value",
                        "started_p", "goodput_short", "goodput_p"]
     rows = []
     lean = M.slim(frame, by)
@@ -114,7 +116,8 @@ def rates(frame: pd.DataFrame, by: Sequence[str] = ("endpoint", "workload", "sta
                      "started_rps": started / s_s if s_s == s_s else math.nan,
                      "goodput_rps": (good / a_s if a_s == a_s and n_slo else math.nan),
                      "achieved_s": a_s, "started_s": s_s, "offered_s": o_s,
-                     "drain_s": a_s - o_s if a_s == a_s and o_s == o_s else math.nan,
+                     "drain_s": max(0.0, a_s - o_s) if a_s == a_s and o_s == o_s else math.nan,
+                     "cancelled": int(sub["cancelled"].to_numpy(bool).sum()),
                      "overloaded": over, "p_value": p, "started_p": p_s,
                      "goodput_short": g_short, "goodput_p": g_p})
     return pd.DataFrame(rows, columns=cols)

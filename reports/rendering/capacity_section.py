@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from kvbench.reports.analysis.numbering import number
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.rendering.cells import fmt
 
@@ -34,7 +35,7 @@ def build_capacity(d: ReportData) -> dict | None:
     rows = [capacity_row(c, d) for c in caps]
     by_gpu = ranked(rows, "per_gpu")
     by_usd = ranked(rows, "per_usd")
-    probes = [{"endpoint": s.endpoint, "workload": s.workload, "stage": s.index,
+    probes = [{"endpoint": s.endpoint, "workload": s.workload, "stage": number(s.index),
                "rate": (fmt(s.rate_rps) if s.rate_rps is not None
                         else f"{s.users} users" if s.users is not None else "–"),
                "duration": fmt(s.duration_s), "role": s.search.role,

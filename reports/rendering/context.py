@@ -22,7 +22,8 @@ from kvbench.reports.rendering.capacity_section import build_capacity
 from kvbench.reports.rendering.capacity_section import ranked as _ranked  # noqa: F401
 from kvbench.reports.rendering.cells import SLO_METRICS, fmt, metric_row, table_rows
 from kvbench.reports.measures.data import ReportData
-from kvbench.reports.analysis.diagnose import diagnose
+from kvbench.reports.analysis.diagnose import diagnose, order
+from kvbench.reports.analysis.numbering import label_of, labels, number
 from kvbench.reports.measures.frame import itl_values, wall_s
 
 SUMMARY_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
@@ -66,7 +67,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                                [itl_values(plain[ep]) if len(plain[ep]) < len(per_ep[ep])
                                 else itl_cache[ep] for ep in cols])
         summary.append(tables.overload_row(
-            stage_rates[~_in_stages(stage_rates, searched)] if searched else stage_rates, cols))
+            stage_rates[~_in_stages(stage_rates, searched)] if searched else stage_rates, cols,
+            labels(d.stages)))
         if engine_hits and not searched:
             summary.append(metric_row("prefix hit ratio (engine counters)", "fraction",
                                       [engine_hits.get(ep, math.nan) for ep in cols], True))
@@ -89,9 +91,11 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
 
     by_class = tables.group_tables(f, "request_class")
     stage_table = tables.stage_table(d, stage_rates)
-    by_stage = table_rows(stage_table, ["endpoint", "workload", "stage", "load",
-                                        "overloaded", tables.LOOP_PAUSE]
-                          ) if not stage_table.empty else []
+    names = labels(d.stages)  # "probe N" / "stage N", as the console says them
+    by_stage = table_rows(stage_table.assign(stage=[label_of(names, *k) for k in zip(
+        stage_table["endpoint"], stage_table["workload"], stage_table["stage"])]),
+                          ["endpoint", "workload", "stage", "load",
+                           "overloaded", tables.LOOP_PAUSE]) if not stage_table.empty else []
     no_slo_classes = tables.no_slo_classes(f)
     # by topology alone, when endpoints share one (otherwise it repeats the summary)
     by_topology = (table_rows(M.summarise(f, by=["topology"], metrics=tables.GROUP_METRICS),
@@ -127,7 +131,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     points = P.stage_points(f, d.endpoints, d.stages)
     per_gpu = tables.per_gpu_block(points, stage_table)
     figures = all_figures(d, stage_table, itl_cache, points) if figures else []
-    findings = diagnose(d) + as_findings(cache_verified)
+    findings = order(diagnose(d) + as_findings(cache_verified))
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -370,7 +370,7 @@ def pareto_plot(points: pd.DataFrame, endpoints: list[str]) -> Figure | None:
         label = names[(ep, wl)]
         rows = pts[(pts["endpoint"] == ep) & (pts["workload"].astype(str) == wl)
                    ].sort_values("tps_per_gpu")
-        hover = [f"{ep}: {r.workload} stage {r.stage}"
+        hover = [f"{ep}: {r.workload} stage {int(r.stage) + 1}"
                  + (f", {r.rate_rps:g} req/s planned" if r.rate_rps == r.rate_rps
                     and r.rate_rps is not None else "")
                  + (f", {int(r.users)} users" if r.users == r.users and r.users is not None

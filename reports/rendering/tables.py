@@ -14,6 +14,7 @@ from kvbench.reports.statistics import metrics as M
 from kvbench.reports.analysis import pareto as P
 from kvbench.reports.rendering.cells import NO_SLO, SLO_METRICS, Cell, fmt, table_rows
 from kvbench.reports.measures.data import ReportData
+from kvbench.reports.analysis.numbering import label_of, number
 
 # ITL stays in the per-endpoint summary: pooling gaps per group costs a gather of millions.
 GROUP_METRICS = ("offered_rps", "throughput_rps", "goodput_rps", "slo_attainment", "ttft_p50",
@@ -46,8 +47,9 @@ def no_slo_classes(f: pd.DataFrame) -> list[dict]:
     return [{"class": c, "requests": f"{int(n):,}"} for c, n in sorted(counts.items())]
 
 
-def overload_row(rates: pd.DataFrame, eps: list[str]) -> dict:
-    """Per endpoint: its stages whose achieved throughput is clearly below offered."""
+def overload_row(rates: pd.DataFrame, eps: list[str], names: dict | None = None) -> dict:
+    """Per endpoint: its stages whose achieved throughput is clearly below offered (named as
+    ``numbering.labels`` gives them in ``names``)."""
     cells = []
     for ep in eps:
         r = rates[rates["endpoint"].astype(str) == ep]
@@ -59,7 +61,8 @@ def overload_row(rates: pd.DataFrame, eps: list[str]) -> dict:
             text = f"none of {len(judged)}"
         else:
             text = f"{len(over)} of {len(judged)}: " + ", ".join(
-                f"{w} stage {s}" for w, s in zip(over["workload"], over["stage"]))
+                f"{w} {label_of(names or {}, e, w, s)}"
+                for e, w, s in zip(over["endpoint"], over["workload"], over["stage"]))
         cells.append(Cell(text, float(len(over))))
     return {"label": "overloaded stages (achieved and first tokens/s clearly below offered)",
             "unit": "", "cells": cells, "better": "lower"}
@@ -174,7 +177,7 @@ def per_gpu_block(points: pd.DataFrame, stage_table: pd.DataFrame) -> dict:
     for i, r in points.iterrows():
         load, over = loads.get((r["endpoint"], r["workload"], int(r["stage"])), ("–", "–"))
         out.append({"endpoint": r["endpoint"], "workload": r["workload"],
-                    "stage": int(r["stage"]), "load": load, "overloaded": over,
+                    "stage": number(int(r["stage"])), "load": load, "overloaded": over,
                     "gpus": fmt(r["gpus"], "count") + ("" if r["gpus_known"] else " (assumed)"),
                     "output_tps": fmt(r["output_tps"]), "tps_per_gpu": fmt(r["tps_per_gpu"]),
                     "per_user_tps": fmt(r["per_user_tps"]), "cost_per_m": fmt(r["cost_per_m"]),

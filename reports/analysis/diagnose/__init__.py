@@ -3,8 +3,9 @@ been, fires only when its evidence is in the data, and says the numbers, the cau
 
 One module per concern, each a few rules: ``cache`` (prefix hits lost, HBM full), ``topology``
 (transfer tax, cross-region, residency), ``load`` (overloaded, load generator saturated),
-``errors``, ``hogwild``; ``base`` holds the ``Finding`` they return. ``RULES`` names them all,
-``diagnose`` runs them.
+``errors``, ``hogwild``, ``search`` (a search that passed nothing; which of its probes are
+evidence at all); ``base`` holds the ``Finding`` they return. ``RULES`` names them all,
+``diagnose`` runs them and ``order`` puts what a user should act on first.
 
 Symptom -> cause -> fix rows are from seed 000's table ("Prefix hit rate drops to 8% | Round-robin
 ALB | Cache-aware router on prefix hash", ...). Thresholds are ours, named in each module.
@@ -20,9 +21,11 @@ from kvbench.reports.analysis.diagnose.cache import SENT_HIT_RATIO_FRACTION, hbm
 from kvbench.reports.analysis.diagnose.errors import errors
 from kvbench.reports.analysis.diagnose.hogwild import hogwild
 from kvbench.reports.analysis.diagnose.load import lateness_split, loadgen_saturated, overloaded
+from kvbench.reports.analysis.diagnose.search import start_failed
 from kvbench.reports.analysis.diagnose.topology import cross_region, residency, transfer_tax
 
 RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
+    "start_failed": start_failed,
     "errors": errors,
     "prefix_hits_lost": prefix_hits_lost,
     "transfer_tax": transfer_tax,
@@ -35,14 +38,31 @@ RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
 }
 
 
+# What a user acts on first, within a severity: an endpoint that serves nothing or fails
+# requests, then what makes the measurements themselves wrong (the load generator), then what
+# to change in the deployment (residency, routing, cache, capacity), then comparisons of
+# topologies, and last the prefix-cache bookkeeping check (``cache_verify``).
+ACTION_ORDER = ("start_failed", "errors", "residency", "loadgen_saturated", "prefix_hits_lost",
+                "overloaded", "hbm_full", "cross_region", "transfer_tax", "hogwild",
+                "cache_verify")
+
+
+def order(found: list[Finding]) -> list[Finding]:
+    """Findings critical first, then by ``ACTION_ORDER`` (rules it does not name after those
+    it does), then by endpoint."""
+    rank = {r: i for i, r in enumerate(ACTION_ORDER)}
+    return sorted(found, key=lambda x: (x.severity != "critical",
+                                        rank.get(x.rule, len(rank)), x.rule, x.endpoint or ""))
+
+
 def diagnose(d: ReportData) -> list[Finding]:
-    """Every rule's findings, critical first."""
+    """Every rule's findings, in ``order``."""
     found = []
     for rule in RULES.values():
         found.extend(rule(d))
-    return sorted(found, key=lambda x: (x.severity != "critical", x.rule, x.endpoint or ""))
+    return order(found)
 
 
-__all__ = ["Finding", "MIN_ROWS", "RULES", "SENT_HIT_RATIO_FRACTION", "cross_region", "diagnose",
+__all__ = ["ACTION_ORDER", "Finding", "MIN_ROWS", "RULES", "order", "start_failed", "SENT_HIT_RATIO_FRACTION", "cross_region", "diagnose",
            "errors", "hbm_full", "hogwild", "lateness_split", "loadgen_saturated", "overloaded",
            "prefix_hits_lost", "residency", "transfer_tax"]

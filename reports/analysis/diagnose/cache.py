@@ -13,6 +13,7 @@ from kvbench.reports.analysis import engine_counters as E
 from kvbench.reports.statistics import metrics as M
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose.base import MIN_ROWS, Finding, _fmt, _median
+from kvbench.reports.analysis.diagnose.search import exempt, keep_mask, windows
 
 # Lost prefix hits. Against the theoretical ratio of exactly the requests sent (per endpoint),
 # an engine that reuses every prefix it holds realises nearly all of it (the built-in colocated
@@ -162,10 +163,14 @@ def _spread_evidence(sub: pd.DataFrame, desc: dict) -> dict:
 
 
 def hbm_full(d: ReportData) -> list[Finding]:
+    """Preemptions and prompts prefilled again: a capacity search's probes above the capacity
+    it claims overload the engine by design, so what they caused is left out (the engine's
+    counter counted over the other probes' windows, ``diagnose.search.windows``)."""
     out = []
+    skip = exempt(d.stages)
     f = d.frame
-    preempt = E.preemptions(d.engine)
-    reprefill = _reprefills(f)
+    preempt = E.preemptions(d.engine, windows(d.stages, skip) if skip else None)
+    reprefill = _reprefills(f[keep_mask(f, skip)] if skip else f)
     for ep in d.endpoint_names:
         counter, n_pre = preempt.get(ep, ("", 0.0))
         rp = reprefill.get(ep)

@@ -8,6 +8,7 @@ import math
 from kvbench.reports.statistics import metrics as M
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose.base import Finding, _fmt
+from kvbench.reports.analysis.diagnose.search import exempt, keep_mask
 
 ERROR_RATE = 0.01  # errors above 1% of the requests that finished ...
 ERROR_MIN = 3  # ... and at least this many of them
@@ -55,9 +56,13 @@ def _error_kind(status: str, http: float) -> str:
 def errors(d: ReportData) -> list[Finding]:
     """Error rate above ``ERROR_RATE``: the dominant error (status, the most common error
     text, their counts and shares), its likely cause and fix. Requests cancelled at the stop
-    are not errors and are left out of both counts."""
+    (or by a capacity search cutting a probe) are not errors and are left out of both counts;
+    so are a search's probes above the capacity it claims, where failing is how it found the
+    limit (``diagnose.search``)."""
     out = []
-    f = d.frame[["endpoint", "ok", "cancelled", "status", "error", "http_status"]]
+    f = d.frame
+    f = f.loc[keep_mask(f, exempt(d.stages, overload=False)),
+              ["endpoint", "ok", "cancelled", "status", "error", "http_status"]]
     for ep, sub in f.groupby("endpoint", observed=True):
         finished = int((~sub["cancelled"]).sum())
         bad = sub[M.failed(sub)]

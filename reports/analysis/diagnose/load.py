@@ -15,6 +15,8 @@ from kvbench.reports.statistics import metrics as M
 from kvbench.reports.analysis import overload as O
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose.base import MIN_ROWS, Finding, _fmt, _median
+from kvbench.reports.analysis.diagnose.search import exempt, keep_mask
+from kvbench.reports.analysis.numbering import label_of, labels, stage_label
 
 LATENESS_P99_MS = 50.0  # client lateness p99 above this: the generator sends late
 LOOP_PAUSE_MS = 10.0  # a load-process event-loop pause above this: chunks were read late
@@ -66,16 +68,33 @@ def lateness_split(sub: pd.DataFrame) -> dict:
             "high_p99": M.quantile(own[~low], 0.99) if (~low).any() else math.nan}
 
 
-def _stage_name(r) -> str:
-    return f"{r['workload']} stage {int(r['stage'])}"
+def _stage_name(r, names: dict | None = None) -> str:
+    """"mix probe 3" / "mix stage 3": one numbering with the console and run.json
+    (``reports.analysis.numbering``)."""
+    return f"{r['workload']} " + label_of(names or {}, r["endpoint"], r["workload"], r["stage"])
+
+
+def _drain_text(x) -> str:
+    """What happened after the schedule: a backlog drained, or the stage was cut with
+    requests in flight (a cut stage ends before its backlog could drain)."""
+    cancelled = int(x.get("cancelled", 0) or 0)
+    if cancelled and not x["drain_s"] > 0:
+        return (f"the stage was cut with {cancelled:,} request{'s' * (cancelled != 1)} in "
+                "flight")
+    return f"the backlog drained {x['drain_s']:,.1f} s after the schedule" + (
+        f", {cancelled:,} cut" if cancelled else "")
 
 
 def overloaded(d: ReportData) -> list[Finding]:
     """The endpoint could not keep up with the offered load: achieved throughput clearly below
     the offered rate in a stage (``reports.overload``), or queueing (server-reported queue
-    time) dominating TTFT."""
+    time) dominating TTFT. A capacity search's probes above the capacity it claims (and its
+    warm-up, void and cut probes) are how it found the limit, not evidence
+    (``diagnose.search``)."""
     out = []
     f = d.frame
+    f = f[keep_mask(f, exempt(d.stages))]
+    names = labels(d.stages)
     rates = O.rates(f)
     engine_queue = E.queue_time(d.engine)
     lean = f[["endpoint", "ok", "ttft_ms", "server_queue_ms"]]
@@ -98,18 +117,17 @@ def overloaded(d: ReportData) -> list[Finding]:
             continue
         ev = []
         for _, x in over.iterrows():
-            ev.append((f"{_stage_name(x)}: achieved / offered",
+            ev.append((f"{_stage_name(x, names)}: achieved / offered",
                        f"{x['throughput_rps']:,.2f} / {x['offered_rps']:,.2f} req/s "
                        f"({x['completed']:,} of {x['scheduled']:,} requests completed over "
-                       f"{x['achieved_s']:,.1f} s, scheduled over {x['offered_s']:,.1f} s; the "
-                       f"backlog drained {x['drain_s']:,.1f} s after the schedule; Poisson "
-                       f"p = {x['p_value']:.2g})"))
-            ev.append((f"{_stage_name(x)}: first tokens/s",
+                       f"{x['achieved_s']:,.1f} s, scheduled over {x['offered_s']:,.1f} s; "
+                       f"{_drain_text(x)}; Poisson p = {x['p_value']:.2g})"))
+            ev.append((f"{_stage_name(x, names)}: first tokens/s",
                        f"{x['started_rps']:,.2f} req/s (the last first token "
                        f"{x['started_s']:,.1f} s after the first send; p = "
                        f"{x['started_p']:.2g}): requests waited before their prefill"))
         for _, x in short.iterrows():
-            ev.append((f"{_stage_name(x)}: goodput at SLO (classes with an SLO)",
+            ev.append((f"{_stage_name(x, names)}: goodput at SLO (classes with an SLO)",
                        f"{x['goodput_rps']:,.2f} req/s: {x['good']:,} requests within SLO "
                        f"over {x['achieved_s']:,.1f} s, clearly below the offered rate "
                        f"(p = {x['goodput_p']:.2g})"))
@@ -130,11 +148,11 @@ def overloaded(d: ReportData) -> list[Finding]:
         within = r[r["overloaded"].notna() & ~r["overloaded"].fillna(False).astype(bool)]
         if len(within):
             ev.append(("stages it kept up with", ", ".join(
-                f"{_stage_name(x)} ({x['offered_rps']:,.2f} req/s offered, "
+                f"{_stage_name(x, names)} ({x['offered_rps']:,.2f} req/s offered, "
                 f"{x['throughput_rps']:,.2f} achieved)" for _, x in within.iterrows())))
         worst = over.sort_values("throughput_rps").iloc[0] if len(over) else None
         title = (f"{ep}: overloaded: achieved {worst['throughput_rps']:,.2f} req/s of "
-                 f"{worst['offered_rps']:,.2f} offered ({_stage_name(worst)})"
+                 f"{worst['offered_rps']:,.2f} offered ({_stage_name(worst, names)})"
                  if worst is not None else
                  f"{ep}: overloaded: requests wait in the server's queue for most of their TTFT")
         out.append(Finding(
@@ -145,7 +163,7 @@ def overloaded(d: ReportData) -> list[Finding]:
             "offer at most about the achieved throughput (the stages it kept up with bound "
             "its capacity), or add capacity (replicas, GPUs, a faster prefill); judge the "
             "serving stack on stages it kept up with", endpoint=ep, severity="critical",
-            numbers={"stages": [_stage_name(x) for _, x in over.iterrows()],
+            numbers={"stages": [_stage_name(x, names) for _, x in over.iterrows()],
                      "achieved_rps": [float(x) for x in over["throughput_rps"]],
                      "offered_rps": [float(x) for x in over["offered_rps"]],
                      "queue_ms": q_ms, "ttft_ms": ttft_ms}))
@@ -162,7 +180,7 @@ def _largest_pause(stages: list[StageEntry], endpoint: str
         if str(s.endpoint) == endpoint and ms is not None and (
                 best is None or float(ms) > best[0]):
             off = s.loop_pause_max_offcpu_ms
-            best = (float(ms), f"{s.workload} stage {s.index}",
+            best = (float(ms), f"{s.workload} {stage_label(s)}",
                     None if off is None else float(off))
     return best
 
