@@ -10,15 +10,42 @@ host, so a minute of traffic takes seconds and the figures carry no host noise.
 
 It answers "which class and which SLO decide each endpoint's capacity, and where does each
 design win": the capacity search (``pacing = "search"``) measures the same thing on the real
-path, with probes a few seconds long.
+path, with probes a few seconds long. Two modes:
+
+The grid (default): one seed, each of ``--rates`` for ``--seconds`` (120, the warm-up
+included), a table per class, the capacity interpolated where the first class crosses the
+target; ``--search N`` runs the production search over the same engines beside it.
 
     python bench/bakeoff_sim.py [--config bench.toml] [--workload mix|longdoc] [--warm]
         [--rates 2,4,6,8,12,16,24] [--seconds 120] [--warmup-s 20] [--search N]
         [--topologies colocated,disaggregated,offloaded] [--slo CLASS:ttft_ms=..,tpot_ms=..]
 
+``--precise``: the steady state a default run is judged against (issue 31). Per topology and
+seed (``--seeds`` 5: seed..seed+4), the capacity at ``--target`` (every class with an SLO keeps
+at least 95% of its requests judged after ``--warmup-s``) bisected: from a start rate
+(``--guess``, else the grid's estimate at 120 s) step x``--step`` (1.25) up or down to a
+passing and a failing rate, then halve the bracket geometrically until hi/lo - 1 <=
+``--precision`` (0.02). Every rate is a fresh run of ``--warmup-s`` + ``--seconds`` (300
+judged). The capacity is the highest rate that passed; the JSON also holds the linear
+crossing of the worst class's attainment inside the last bracket. Printed per topology: the
+median of the seeds, per GPU, min-max and each seed, and the class and SLO that break first;
+``--json PATH`` writes it all (with every rate tried and its attainment per class). Each
+(topology, seed) is one task of a ``--jobs`` process pool (2). The four references of
+issue 31 (each about 10-20 CPU minutes; run under ``nice -n 19`` on a shared machine):
+
+    python bench/bakeoff_sim.py --warm --precise --workload mix --json /work/truth/mix.json
+    python bench/bakeoff_sim.py --warm --precise --workload longdoc \
+        --json /work/truth/longdoc.json
+    python bench/bakeoff_sim.py --warm --precise --workload mix --options '{"slowdown": 1.5}' \
+        --json /work/truth/mix_slow15.json
+    python bench/bakeoff_sim.py --warm --precise --workload longdoc \
+        --options '{"slowdown": 1.5}' --json /work/truth/longdoc_slow15.json
+
 Each topology runs with the options of the config's first built-in endpoint of it (the
 default's colocated is one replica), ``--options`` over them; ``--warm`` primes every shared
-prefix before each run, as ``cache = "warm"`` does.
+prefix before each run, as ``cache = "warm"`` does. Over 400 lines: the two modes share the
+harness (workload build, the fixed-rate run, the per-class judgement), which a split would
+only pass around.
 """
 
 from __future__ import annotations
