@@ -376,7 +376,21 @@ def guesses(text: str | None, topologies: list[str]) -> dict[str, float]:
     return {k.strip(): float(v) for k, v in (p.split("=") for p in text.split(","))}
 
 
-def summary(topology: str, gpus: int, seeds: list[dict]) -> dict:
+def pooled_fit(seeds: list[dict], target: float, median: float | None) -> dict | None:
+    """A cross-check of the median from every run at once: a least-squares line through all
+    seeds' (rate, worst class's attainment) within 0.75-1.33x the median, and the rate where
+    it crosses ``target`` (None unless the line falls)."""
+    pts = [(p["rate"], p["worst_att"]) for s in seeds for p in s["tried"]
+           if median and 0.75 * median <= p["rate"] <= median / 0.75]
+    if len(pts) < 3:
+        return None
+    x, y = np.array(pts).T
+    m, b = np.polyfit(x, y, 1)
+    return {"rate": float((target - b) / m) if m < 0 else None, "slope_per_rps": float(m),
+            "points": len(pts), "resid_sd": float(np.std(y - (m * x + b), ddof=2))}
+
+
+def summary(topology: str, gpus: int, seeds: list[dict], target: float) -> dict:
     caps = [s["capacity"] for s in seeds if s["capacity"] is not None]
     cross = [s["crossing"] for s in seeds if s["crossing"] is not None]
     breaks = Counter((s["breaks"]["class"], s["breaks"]["slo"]) for s in seeds if s["breaks"])
@@ -389,6 +403,7 @@ def summary(topology: str, gpus: int, seeds: list[dict]) -> dict:
         "min": min(caps) if caps else None, "max": max(caps) if caps else None,
         "crossings": cross,
         "median_crossing": float(np.median(cross)) if cross else None,
+        "pooled_fit": pooled_fit(seeds, target, med),
         "breaks_first": {"class": bc, "slo": bs, "seeds": bn, "of": len(seeds)},
         "runs": sum(len(s["tried"]) for s in seeds),
         "cpu_s": sum(s.get("cpu_s", 0.0) for s in seeds),
@@ -419,7 +434,7 @@ def precise(a, topologies: list[str], opts: dict[str, dict], gpus: dict[str, int
                   flush=True)
     cpu = time.process_time() + _children_cpu()  # the whole command, the workload's build too
     res = {topo: {"options": opts[topo], "guess": start[topo], "guess_from": how[topo],
-                  **summary(topo, gpus[topo], done[topo])} for topo in topologies}
+                  **summary(topo, gpus[topo], done[topo], a.target)} for topo in topologies}
     print(f"\ncapacity at {a.target:.0%} (every class with an SLO): the highest rate that passed,"
           f" bisected until hi/lo - 1 <= {a.precision:g}; {a.seconds:g} s judged per rate after"
           f" {a.warmup_s:g} s; seeds {seeds[0]}..{seeds[-1]}")
@@ -436,6 +451,12 @@ def precise(a, topologies: list[str], opts: dict[str, dict], gpus: dict[str, int
               f"{r['max'] / r['median'] - 1:+.1%}); seeds {each}; crossing median "
               f"{r['median_crossing']:.3f}; breaks first: {bf['class']} ({bf['slo']}) in "
               f"{bf['seeds']} of {bf['of']} seeds; {r['runs']} runs", flush=True)
+        fit = r["pooled_fit"]
+        if fit and fit["rate"] is not None:
+            print(f"    cross-check: a line through all {fit['points']} runs near the median "
+                  f"crosses {a.target:.0%} at {fit['rate']:.3f} req/s "
+                  f"({fit['rate'] / r['median'] - 1:+.1%}; attainment {fit['slope_per_rps']:+.3f}"
+                  f" per req/s, residual sd {fit['resid_sd']:.3f})", flush=True)
     wall = time.monotonic() - t_wall
     print(f"{cpu:.0f} CPU s in all, {wall:.0f} s wall for the pool's {a.jobs} jobs", flush=True)
     return {"capacity_is": "the highest rate that passed (crossing: the linear crossing of the "

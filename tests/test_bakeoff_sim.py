@@ -60,4 +60,6 @@ def test_precise_bisects_each_seed_to_two_percent_and_writes_json(tmp_path):
     assert topo["median"] == float(np.median(topo["capacities"]))
     assert topo["median_per_gpu"] == topo["median"]
     assert topo["min"] <= topo["median"] <= topo["max"]
+    fit = topo["pooled_fit"]  # the cross-check from every run near the median
+    assert fit is None or fit["points"] >= 3
     assert "colocated (1 GPU): median" in p.stdout and "seeds 7: " in p.stdout
