@@ -10,15 +10,42 @@ host, so a minute of traffic takes seconds and the figures carry no host noise.
 
 It answers "which class and which SLO decide each endpoint's capacity, and where does each
 design win": the capacity search (``pacing = "search"``) measures the same thing on the real
-path, with probes a few seconds long.
+path, with probes a few seconds long. Two modes:
+
+The grid (default): one seed, each of ``--rates`` for ``--seconds`` (120, the warm-up
+included), a table per class, the capacity interpolated where the first class crosses the
+target; ``--search N`` runs the production search over the same engines beside it.
 
     python bench/bakeoff_sim.py [--config bench.toml] [--workload mix|longdoc] [--warm]
         [--rates 2,4,6,8,12,16,24] [--seconds 120] [--warmup-s 20] [--search N]
         [--topologies colocated,disaggregated,offloaded] [--slo CLASS:ttft_ms=..,tpot_ms=..]
 
+``--precise``: the steady state a default run is judged against (issue 31). Per topology and
+seed (``--seeds`` 5: seed..seed+4), the capacity at ``--target`` (every class with an SLO keeps
+at least 95% of its requests judged after ``--warmup-s``) bisected: from a start rate
+(``--guess``, else the grid's estimate at 120 s) step x``--step`` (1.25) up or down to a
+passing and a failing rate, then halve the bracket geometrically until hi/lo - 1 <=
+``--precision`` (0.02). Every rate is a fresh run of ``--warmup-s`` + ``--seconds`` (300
+judged). The capacity is the highest rate that passed; the JSON also holds the linear
+crossing of the worst class's attainment inside the last bracket. Printed per topology: the
+median of the seeds, per GPU, min-max and each seed, and the class and SLO that break first;
+``--json PATH`` writes it all (with every rate tried and its attainment per class). Each
+(topology, seed) is one task of a ``--jobs`` process pool (2). The four references of
+issue 31 (each about 10-20 CPU minutes; run under ``nice -n 19`` on a shared machine):
+
+    python bench/bakeoff_sim.py --warm --precise --workload mix --json /work/truth/mix.json
+    python bench/bakeoff_sim.py --warm --precise --workload longdoc \
+        --json /work/truth/longdoc.json
+    python bench/bakeoff_sim.py --warm --precise --workload mix --options '{"slowdown": 1.5}' \
+        --json /work/truth/mix_slow15.json
+    python bench/bakeoff_sim.py --warm --precise --workload longdoc \
+        --options '{"slowdown": 1.5}' --json /work/truth/longdoc_slow15.json
+
 Each topology runs with the options of the config's first built-in endpoint of it (the
 default's colocated is one replica), ``--options`` over them; ``--warm`` primes every shared
-prefix before each run, as ``cache = "warm"`` does.
+prefix before each run, as ``cache = "warm"`` does. Over 400 lines: the two modes share the
+harness (workload build, the fixed-rate run, the per-class judgement), which a split would
+only pass around.
 """
 
 from __future__ import annotations
@@ -26,7 +53,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
+import logging
+import multiprocessing as mp
+import resource
+import shlex
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -46,36 +80,51 @@ from kvbench.runs.job import resolve  # noqa: E402
 from kvbench.workloads.tokenizer import get_tokenizer  # noqa: E402
 
 
+def _job(config: Path, workload: str):
+    cfg = load_config(config)
+    return resolve(cfg, workload=workload, endpoint=cfg.endpoints[0].name,
+                   url="http://127.0.0.1:9", run_id="sim", results_dir=Path("/tmp"))
+
+
 def prompts(config: Path, workload: str) -> tuple[list[tuple], dict]:
     """The workload's requests as (class, prompt tokens, block hashes, max tokens), and the
     config's SLOs by class."""
-    cfg = load_config(config)
-    job = resolve(cfg, workload=workload, endpoint=cfg.endpoints[0].name, url="http://127.0.0.1:9",
-                  run_id="sim", results_dir=Path("/tmp"))
-    tok = get_tokenizer("builtin")
-    out = []
-    for req in job.build_workload(tok).requests():
-        text = req.prompt if req.messages is None else tok.render_chat(list(req.messages))
-        tokens = tok.tokens(text)
-        out.append((req.request_class, len(tokens), block_hashes(tokens, 16), req.max_tokens))
-    slo = {k: s.limits() for k, s in job.slo.items()}
-    return out, slo
+    reqs, slo, _ = load(config, workload, warm=False)
+    return reqs, slo
 
 
 def primes(config: Path, workload: str) -> list[tuple[int, list[int]]]:
     """What ``cache = "warm"`` sends before a job: each distinct shared prefix once, as
     (prompt tokens, block hashes)."""
+    return load(config, workload, warm=True)[2] or []
+
+
+def load(config: Path, workload: str, warm: bool) -> tuple[list[tuple], dict, list | None]:
+    """``prompts`` and (``warm``) ``primes`` from one build of the workload: its requests,
+    the SLOs by class, and the shared prefixes (None when not ``warm``)."""
     from kvbench.runs.cache import shared_prefixes
 
-    cfg = load_config(config)
-    job = resolve(cfg, workload=workload, endpoint=cfg.endpoints[0].name,
-                  url="http://127.0.0.1:9", run_id="sim", results_dir=Path("/tmp"))
+    job = _job(config, workload)
     tok = get_tokenizer("builtin")
+    built = job.build_workload(tok)
     out = []
-    for text in shared_prefixes(job.build_workload(tok), tok):
+    for req in built.requests():
+        text = req.prompt if req.messages is None else tok.render_chat(list(req.messages))
         tokens = tok.tokens(text)
-        out.append((len(tokens), block_hashes(tokens, 16)))
-    return out
+        out.append((req.request_class, len(tokens), block_hashes(tokens, 16), req.max_tokens))
+    slo = {k: s.limits() for k, s in job.slo.items()}
+    prime = None
+    if warm:
+        prime = []
+        for text in shared_prefixes(built, tok):
+            tokens = tok.tokens(text)
+            prime.append((len(tokens), block_hashes(tokens, 16)))
+    return out, slo, prime
+
+
+def _quiet(seq: Seq) -> None:
+    """A request's sink: the harness reads its times when it finishes, so a token needs no
+    wake-up of its task (the built-in server streams through a sink the same way)."""
 
 
 def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, seconds: float,
@@ -99,11 +148,11 @@ def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, secon
         row = {"class": cls, "t": t - base["t0"], "ttft_ms": np.nan, "tpot_ms": np.nan, "e2e_ms": np.nan,
                "ok": False}
         rows.append(row)
+        seq.sink = _quiet  # the engine calls it per token instead of waking this task
         await cluster.submit(seq, None, None)
-        await wait(seq, lambda: seq.generated > 0 or seq.finished)
+        await wait(seq, lambda: seq.finished)
         if seq.t_first is not None:
             row["ttft_ms"] = (seq.t_first - t) * 1e3
-        await wait(seq, lambda: seq.finished)
         row["e2e_ms"] = (loop.time() - t) * 1e3
         if seq.generated > 1 and seq.t_first is not None:
             row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (seq.generated - 1)
@@ -221,15 +270,214 @@ def search_spec(config: Path, profile: str, workload: str = "mix") -> dict:
     return job.search.to_dict()
 
 
-def main() -> None:
-    import logging
+def verdict(t: dict, slo: dict, target: float) -> tuple[bool, str, float, str]:
+    """Whether every class with an SLO (every class when none has one) kept ``target`` of
+    its judged requests; the worst such class, its attainment and the SLO it missed most."""
+    judged = {c: x for c, x in t.items() if c in slo} or t
+    if not judged:
+        return False, "", 0.0, "no request judged"
+    cls, x = min(judged.items(), key=lambda kv: kv[1]["att"])
+    return x["att"] >= target, cls, x["att"], x["miss"]
 
+
+# What the pool's workers share, set by the parent before it forks them: the workload's
+# requests, SLOs and warm prefixes (tokenised once), and the run settings.
+_SHARED: dict = {}
+
+
+def _probe(topology: str, options: dict, rate: float, seed: int) -> dict:
+    """One fixed-rate run of ``warmup_s + seconds`` judged after the warm-up."""
+    w = _SHARED
+    t = table(run_rate(topology, options, w["reqs"], rate, w["warmup_s"] + w["seconds"], seed,
+                       w["prime"]), w["slo"], w["warmup_s"])
+    ok, cls, att, miss = verdict(t, w["slo"], w["target"])
+    return {"rate": rate, "pass": ok, "worst_class": cls, "worst_att": att, "miss": miss,
+            "classes": {c: {"n": x["n"], "att": x["att"], "ttft_p99_ms": x["ttft_p99"],
+                            "tpot_p99_ms": None if np.isnan(x["tpot_p99"]) else x["tpot_p99"],
+                            "miss": x["miss"]} for c, x in t.items()}}
+
+
+def quick_estimate(task: tuple) -> tuple[str, float, str]:
+    """The old grid's capacity (``--rates`` at 120 s, one seed) as a bisection's start rate:
+    (topology, rate, how it was found)."""
+    topology, options, rates, seed = task
+    w = _SHARED
+    points = []
+    for rate in rates:
+        t = table(run_rate(topology, options, w["reqs"], rate, 120.0, seed, w["prime"]),
+                  w["slo"], w["warmup_s"])
+        points.append((rate, t))
+        if not verdict(t, w["slo"], w["target"])[0]:
+            break
+    cap, _ = capacity(points, w["target"])
+    if cap is not None:
+        return topology, cap, f"grid {','.join(f'{r:g}' for r, _ in points)} at 120 s"
+    if verdict(points[0][1], w["slo"], w["target"])[0]:
+        return topology, rates[-1], "grid passed every rate: its highest"
+    return topology, rates[0] / 2, "grid failed its lowest rate: half of it"
+
+
+def bisect(task: tuple) -> dict:
+    """One seed's capacity on one topology: from ``guess``, step x``step`` up (or down) to a
+    bracket of a passing and a failing rate, then halve it (geometrically) until hi/lo - 1
+    <= ``precision``. Every rate is a fresh ``warmup_s + seconds`` run with this seed."""
+    topology, options, seed, guess = task
+    w = _SHARED
+    cpu0 = time.process_time()
+    tried: list[dict] = []
+
+    def probe(rate: float) -> dict:
+        p = _probe(topology, options, float(rate), seed)
+        tried.append(p)
+        return p
+
+    lo = hi = None
+    p = probe(guess)
+    for _ in range(40):  # x1.25 forty times: a factor of 7,500 either way
+        if p["pass"]:
+            lo = p
+            if hi is not None:
+                break
+            p = probe(lo["rate"] * w["step"])
+        else:
+            hi = p
+            if lo is not None:
+                break
+            p = probe(hi["rate"] / w["step"])
+    out = {"seed": seed, "guess": guess, "capacity": None, "crossing": None, "bracket": None,
+           "breaks": None, "tried": tried}
+    if lo is None or hi is None:
+        out["why"] = "no bracket within 40 steps"
+        out["cpu_s"] = time.process_time() - cpu0
+        return out
+    while hi["rate"] / lo["rate"] - 1 > w["precision"]:
+        p = probe(float(np.sqrt(lo["rate"] * hi["rate"])))
+        if p["pass"]:
+            lo = p
+        else:
+            hi = p
+    a0, a1, tg = lo["worst_att"], hi["worst_att"], w["target"]
+    cross = lo["rate"] + (a0 - tg) / (a0 - a1) * (hi["rate"] - lo["rate"]) if a0 > a1 \
+        else lo["rate"]
+    out.update(capacity=lo["rate"], crossing=cross, bracket=[lo["rate"], hi["rate"]],
+               breaks={"class": hi["worst_class"], "slo": hi["miss"],
+                       "attainment": hi["worst_att"]},
+               cpu_s=time.process_time() - cpu0)
+    return out
+
+
+def guesses(text: str | None, topologies: list[str]) -> dict[str, float]:
+    """``--guess``: one rate for every topology (``8``) or per topology
+    (``offloaded=12,colocated=6``); topologies not named get the grid's estimate."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return {t: float(text) for t in topologies}
+    return {k.strip(): float(v) for k, v in (p.split("=") for p in text.split(","))}
+
+
+def pooled_fit(seeds: list[dict], target: float, median: float | None) -> dict | None:
+    """A cross-check of the median from every run at once: a least-squares line through all
+    seeds' (rate, worst class's attainment) within 0.75-1.33x the median, and the rate where
+    it crosses ``target`` (None unless the line falls)."""
+    pts = [(p["rate"], p["worst_att"]) for s in seeds for p in s["tried"]
+           if median and 0.75 * median <= p["rate"] <= median / 0.75]
+    if len(pts) < 3:
+        return None
+    x, y = np.array(pts).T
+    m, b = np.polyfit(x, y, 1)
+    return {"rate": float((target - b) / m) if m < 0 else None, "slope_per_rps": float(m),
+            "points": len(pts), "resid_sd": float(np.std(y - (m * x + b), ddof=2))}
+
+
+def summary(topology: str, gpus: int, seeds: list[dict], target: float) -> dict:
+    caps = [s["capacity"] for s in seeds if s["capacity"] is not None]
+    cross = [s["crossing"] for s in seeds if s["crossing"] is not None]
+    breaks = Counter((s["breaks"]["class"], s["breaks"]["slo"]) for s in seeds if s["breaks"])
+    (bc, bs), bn = breaks.most_common(1)[0] if breaks else (("", ""), 0)
+    med = float(np.median(caps)) if caps else None
+    return {
+        "gpus": gpus, "seeds": seeds, "capacities": caps,
+        "median": med, "median_per_gpu": med / gpus if med is not None else None,
+        "per_gpu": [c / gpus for c in caps],
+        "min": min(caps) if caps else None, "max": max(caps) if caps else None,
+        "crossings": cross,
+        "median_crossing": float(np.median(cross)) if cross else None,
+        "pooled_fit": pooled_fit(seeds, target, med),
+        "breaks_first": {"class": bc, "slo": bs, "seeds": bn, "of": len(seeds)},
+        "runs": sum(len(s["tried"]) for s in seeds),
+        "cpu_s": sum(s.get("cpu_s", 0.0) for s in seeds),
+    }
+
+
+def precise(a, topologies: list[str], opts: dict[str, dict], gpus: dict[str, int]) -> dict:
+    """Per topology, each seed's capacity bisected in a pool of ``a.jobs`` processes; prints
+    as seeds finish, returns what ``--json`` writes."""
+    t_wall = time.monotonic()
+    seeds = list(range(a.seed, a.seed + a.seeds))
+    start = guesses(a.guess, topologies)
+    ctx = mp.get_context("fork")  # the workers inherit _SHARED (the tokenised workload)
+    with ctx.Pool(max(1, a.jobs)) as pool:
+        how = {t: "--guess" for t in start}
+        todo = [(t, opts[t], [float(x) for x in a.rates.split(",")], a.seed)
+                for t in topologies if t not in start]
+        for topo, rate, why in pool.imap_unordered(quick_estimate, todo):
+            start[topo], how[topo] = rate, why
+            print(f"  {topo}: start at {rate:.2f} req/s ({why})", flush=True)
+        tasks = [(t, opts[t], s, start[t]) for t in topologies for s in seeds]
+        done: dict[str, list[dict]] = {t: [] for t in topologies}
+        for t, r in zip(tasks, pool.imap(bisect, tasks)):
+            done[t[0]].append(r)
+            trail = " ".join(f"{p['rate']:.3g}{'P' if p['pass'] else 'F'}" for p in r["tried"])
+            cap = "n/a" if r["capacity"] is None else f"{r['capacity']:.3f} req/s"
+            print(f"  {t[0]} seed {r['seed']}: {cap}  [{trail}]  {r.get('cpu_s', 0):.0f} CPU s",
+                  flush=True)
+    cpu = time.process_time() + _children_cpu()  # the whole command, the workload's build too
+    res = {topo: {"options": opts[topo], "guess": start[topo], "guess_from": how[topo],
+                  **summary(topo, gpus[topo], done[topo], a.target)} for topo in topologies}
+    print(f"\ncapacity at {a.target:.0%} (every class with an SLO): the highest rate that passed,"
+          f" bisected until hi/lo - 1 <= {a.precision:g}; {a.seconds:g} s judged per rate after"
+          f" {a.warmup_s:g} s; seeds {seeds[0]}..{seeds[-1]}")
+    for topo, r in res.items():
+        if r["median"] is None:
+            print(f"  {topo}: no capacity found", flush=True)
+            continue
+        each = ", ".join(f"{s['seed']}: {s['capacity']:.3f}" if s["capacity"] is not None
+                         else f"{s['seed']}: n/a" for s in r["seeds"])
+        bf = r["breaks_first"]
+        print(f"  {topo} ({r['gpus']} GPU{'s' if r['gpus'] > 1 else ''}): median "
+              f"{r['median']:.3f} req/s, {r['median_per_gpu']:.3f} per GPU; spread "
+              f"{r['min']:.3f}-{r['max']:.3f} ({r['min'] / r['median'] - 1:+.1%} / "
+              f"{r['max'] / r['median'] - 1:+.1%}); seeds {each}; crossing median "
+              f"{r['median_crossing']:.3f}; breaks first: {bf['class']} ({bf['slo']}) in "
+              f"{bf['seeds']} of {bf['of']} seeds; {r['runs']} runs", flush=True)
+        fit = r["pooled_fit"]
+        if fit and fit["rate"] is not None:
+            print(f"    cross-check: a line through all {fit['points']} runs near the median "
+                  f"crosses {a.target:.0%} at {fit['rate']:.3f} req/s "
+                  f"({fit['rate'] / r['median'] - 1:+.1%}; attainment {fit['slope_per_rps']:+.3f}"
+                  f" per req/s, residual sd {fit['resid_sd']:.3f})", flush=True)
+    wall = time.monotonic() - t_wall
+    print(f"{cpu:.0f} CPU s in all, {wall:.0f} s wall for the pool's {a.jobs} jobs", flush=True)
+    return {"capacity_is": "the highest rate that passed (crossing: the linear crossing of the "
+                           "worst class's attainment with the target inside the final bracket)",
+            "seeds": seeds, "cpu_s": cpu, "wall_s": wall, "topologies": res}
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def main(argv: list[str] | None = None) -> None:
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # the engines left at the end
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "bench.toml"))
     ap.add_argument("--workload", default="mix")
     ap.add_argument("--rates", default="2,4,6,8,12,16,24")
-    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="grid: seconds per rate, the warm-up included (120); --precise: "
+                         "seconds judged per rate, run after the warm-up (300)")
     ap.add_argument("--warmup-s", type=float, default=20.0)
     ap.add_argument("--topologies", default="colocated,disaggregated,offloaded")
     ap.add_argument("--options", default="{}",
@@ -246,29 +494,61 @@ def main() -> None:
                     help='prime each shared prefix once before every run (cache = "warm")')
     ap.add_argument("--profile", default="search")
     ap.add_argument("--spec", default="{}", help="search settings (JSON) over the profile's")
-    a = ap.parse_args()
-    import json
+    ap.add_argument("--precise", action="store_true",
+                    help="per topology and seed, bisect the capacity instead of the grid")
+    ap.add_argument("--seeds", type=int, default=5, help="--precise: seeds seed..seed+N-1")
+    ap.add_argument("--precision", type=float, default=0.02,
+                    help="--precise: bisect until hi/lo - 1 <= this")
+    ap.add_argument("--step", type=float, default=1.25,
+                    help="--precise: the bracketing factor from the start rate")
+    ap.add_argument("--guess", default=None,
+                    help="--precise: start rate, one for all (8) or per topology "
+                         "(offloaded=12,colocated=6); default: the grid's estimate")
+    ap.add_argument("--jobs", type=int, default=2, help="--precise: processes")
+    ap.add_argument("--json", default=None, metavar="PATH", help="--precise: write results")
+    a = ap.parse_args(argv)
+    if a.seconds is None:
+        a.seconds = 300.0 if a.precise else 120.0
 
-    reqs, slo = prompts(Path(a.config), a.workload)
+    reqs, slo, prime = load(Path(a.config), a.workload, a.warm)
     for s in a.slo:
         cls, _, kv = s.partition(":")
         slo[cls] = {k: float(v) for k, v in (p.split("=") for p in kv.split(","))}
-    rates = [float(x) for x in a.rates.split(",")]
-    prime = primes(Path(a.config), a.workload) if a.warm else None
     if prime:
         print(f"warm: {len(prime)} shared prefixes, {sum(n for n, _ in prime):,} tokens, "
               "primed before each run")
     classes = sorted({r[0] for r in reqs})
+    judged = (f"{a.seconds:g} s judged per rate after {a.warmup_s:g} s" if a.precise else
+              f"{a.seconds:g} s per rate, first {a.warmup_s:g} s not judged")
     print(f"{a.workload}: {len(reqs)} requests, classes {', '.join(classes)}; SLOs {slo}; "
-          f"{a.seconds:g} s per rate, first {a.warmup_s:g} s not judged")
+          f"{judged}", flush=True)
     own = {}  # each topology's options as the config's first built-in endpoint of it sets them
     for ep in load_config(Path(a.config)).endpoints:
         if ep.kind == "builtin":
             own.setdefault(ep.topology, dict(ep.options or {}))
-    for topo in a.topologies.split(","):
-        options = {**own.get(topo, {}), **json.loads(a.options)}
-        gpus = gpu_count(validate_options(topo, options))[0]
-        print(f"\n{topo} ({gpus} GPUs)")
+    topologies = a.topologies.split(",")
+    opts = {t: {**own.get(t, {}), **json.loads(a.options)} for t in topologies}
+    gpus = {t: gpu_count(validate_options(t, opts[t]))[0] for t in topologies}
+    if a.precise:
+        _SHARED.update(reqs=reqs, slo=slo, prime=prime, warmup_s=a.warmup_s,
+                       seconds=a.seconds, target=a.target, precision=a.precision, step=a.step)
+        res = precise(a, topologies, opts, gpus)
+        if a.json:
+            out = {"workload": a.workload, "config": str(a.config), "warm": a.warm,
+                   "options": json.loads(a.options), "slo": slo, "target": a.target,
+                   "warmup_s": a.warmup_s, "seconds": a.seconds, "precision": a.precision,
+                   "step": a.step, "jobs": a.jobs,
+                   "command": "python bench/bakeoff_sim.py " + " ".join(
+                       shlex.quote(x) for x in (sys.argv[1:] if argv is None else argv)),
+                   "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **res}
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+            print(f"wrote {a.json}")
+        return
+    rates = [float(x) for x in a.rates.split(",")]
+    for topo in topologies:
+        options = opts[topo]
+        print(f"\n{topo} ({gpus[topo]} GPUs)")
         print("  rate  " + "  ".join(f"{c:>30s}" for c in classes))
         points = []
         for rate in rates:
@@ -283,7 +563,7 @@ def main() -> None:
                              f"{x['tpot_p99']:3.0f} {x['miss'][:4]:>4s}")
             print(f"  {rate:5.1f} " + "  ".join(f"{c:>30s}" for c in cells), flush=True)
         cap, why = capacity(points, a.target)
-        per = f"({cap / gpus:.2f} per GPU)" if cap is not None else ""
+        per = f"({cap / gpus[topo]:.2f} per GPU)" if cap is not None else ""
         print(f"  capacity at {a.target:.0%}: "
               f"{'%.2f req/s' % cap if cap is not None else 'n/a'} {per}; breaks first: {why}",
               flush=True)
