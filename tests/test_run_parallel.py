@@ -117,3 +117,69 @@ def test_an_interrupt_stops_every_lane_and_keeps_their_records(server, tmp_path)
     # no lane's Locust child outlives kvbench run
     left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+BUILTIN = """
+[suite]
+name = "lanes"
+seed = 3
+results_dir = "{results}"
+workloads = ["one", "two"]
+profile = "steady"
+parallel_endpoints = true
+
+[[endpoints]]
+name = "a"
+kind = "builtin"
+topology = "colocated"
+options = {{ time_scale = 0.2 }}
+
+[[endpoints]]
+name = "b"
+kind = "{kind_b}"
+{where_b}
+topology = "colocated"
+
+[workloads.one]
+kind = "chat"
+requests = 200
+prompt_tokens = {{ dist = "constant", mean = 30 }}
+output_tokens = {{ dist = "constant", mean = 6 }}
+
+[workloads.two]
+kind = "chat"
+requests = 200
+prompt_tokens = {{ dist = "constant", mean = 40 }}
+output_tokens = {{ dist = "constant", mean = 6 }}
+
+[profiles.steady]
+pacing = "poisson"
+drain_s = 1
+stages = [ {{ rate_rps = 4.0, duration_s = 6 }} ]
+"""
+
+
+def test_builtin_workloads_run_side_by_side_on_servers_of_their_own(server, tmp_path):
+    """Side by side, a built-in endpoint's workloads each get a server of their own and run at
+    once (the default bake-off's searches need the time); an endpoint at a URL keeps its
+    workloads in turn on its one server."""
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text(BUILTIN.format(results=tmp_path / "results", kind_b="openai",
+                                  where_b=f'url = "{server}"\nmodel = "test-model"'))
+    p = subprocess.run(kvbench(cfg), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    t = load_results(tmp_path / "results" / "r").requests
+    win = {}
+    for ep in ("a", "b"):
+        for wl in ("one", "two"):
+            m = pc.and_(pc.equal(t.column("endpoint"), ep), pc.equal(t.column("workload"), wl))
+            sent = t.filter(m).column("t_sent")
+            assert len(sent) > 5, (ep, wl)
+            win[ep, wl] = (pc.min(sent).as_py(), pc.max(sent).as_py())
+
+    def overlap(x, y):
+        return min(win[x][1], win[y][1]) - max(win[x][0], win[y][0])
+
+    # (in turn, one lane's sends end before the other's begin: a negative overlap)
+    assert overlap(("a", "one"), ("a", "two")) > 0, win  # built-in: both at once
+    assert overlap(("b", "one"), ("b", "two")) < 0, win  # one server at a URL: in turn

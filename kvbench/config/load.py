@@ -72,6 +72,8 @@ class SearchSpec(Strict):
     # highest pass is confirmed by one more probe instead)
     hold_s: float = Field(default=0.0, ge=0, le=3600)
     hold_step: float = Field(default=0.85, gt=0, lt=1)
+    # the holds bisect between the highest held and the lowest failed until within this
+    hold_precision: float = Field(default=0.1, gt=0, le=10)
     # "closed": the highest number of users at SLO instead of the highest rate. Each user runs
     # one session at a time and waits for every answer (think times as the workload says);
     # probes of start_users, times growth (one more at least) to the first failure, then

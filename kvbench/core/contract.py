@@ -168,6 +168,7 @@ class SearchSpec(Entry):
     warmup_s: Num = 0.0
     hold_s: Num = 0.0
     hold_step: Num = 0.85
+    hold_precision: Num = 0.1
     loop: str = "open"  # open | closed
     start_users: Count = 1
     max_users: Count = 1024

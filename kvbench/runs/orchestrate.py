@@ -159,6 +159,7 @@ class MatrixRun:
                              self.run_dir)
         if (self.cfg.suite.parallel_endpoints and self.opts.dist is None
                 and len(self.sel.endpoints) > 1):
+            self.jobs = self.own_servers(self.jobs)
             self.side_by_side()
         else:
             for k, job in enumerate(self.jobs, 1):
@@ -238,6 +239,31 @@ class MatrixRun:
             self.incomplete.append(Incomplete(what=label,
                                               why=f"locust exited with code {out.rc}"))
 
+    def own_servers(self, jobs: list) -> list:
+        """Side by side, a built-in endpoint's later workloads each get a server of their own
+        (a fresh instance of the same emulated hardware, as a job's cache reset makes it), so
+        that every endpoint x workload runs at once: the default bake-off's searches then
+        have the time to hold what they claim. An endpoint at a URL keeps its workloads in
+        order on its one server."""
+        from dataclasses import replace
+
+        from kvbench.runs import builtin
+
+        specs = {ep.name: ep for ep in self.sel.endpoints}
+        first: dict[str, str] = {}
+        out = []
+        for job in jobs:
+            ep = specs.get(job.endpoint.name)
+            name = job.endpoint.name
+            if ep is None or ep.kind != "builtin" or first.setdefault(name, job.workload) == \
+                    job.workload:
+                out.append(job)
+                continue
+            proc, url = builtin.start(ep)
+            self.servers.append(proc)
+            out.append(replace(job, endpoint=replace(job.endpoint, url=url)))
+        return out
+
     def side_by_side(self) -> None:
         """``suite.parallel_endpoints``: each endpoint's jobs in order, the endpoints at once
         (one thread each, each with its own Locust child and its own workload generators).
@@ -248,7 +274,7 @@ class MatrixRun:
 
         lanes: dict[str, list] = {}
         for k, job in enumerate(self.jobs, 1):
-            lanes.setdefault(job.endpoint.name, []).append((k, job))
+            lanes.setdefault(f"{job.endpoint.name}@{job.endpoint.url}", []).append((k, job))
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -263,7 +289,8 @@ class MatrixRun:
                 errors.append(exc)
                 stop.set()
 
-        threads = [threading.Thread(target=lane, args=(items,), name=f"kvbench-{name}",
+        threads = [threading.Thread(target=lane, args=(items,),
+                                    name=f"kvbench-{name.partition('@')[0]}",
                                     daemon=True) for name, items in lanes.items()]
         for t in threads:
             t.start()

@@ -51,16 +51,19 @@ class LocustBackend:
         """The monotonic time probe ``index`` began (its stage opened in a sidecar)."""
         from kvbench.core import store
 
-        name = self.job.endpoint.name
+        key = (self.job.endpoint.name, self.job.workload)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.child.poll() is not None:
                 return None
             for m in store.read_proc_meta(self.run_dir):
-                st = m.open_stage
-                running = st is not None and st.index == index and st.endpoint == name
-                if running or any(s.index == index for s in m.stages if s.endpoint == name):
-                    t_start = (st.t_start_ns if st is not None else None) or time.time_ns()
+                # this job's stage: side by side, another workload's lane on the same
+                # endpoint runs a stage of the same index in a sidecar of its own
+                mine = [s for s in ([m.open_stage] if m.open_stage is not None else [])
+                        + list(m.stages)
+                        if s.index == index and (s.endpoint, s.workload) == key]
+                if mine:
+                    t_start = mine[0].t_start_ns or time.time_ns()
                     ago = (time.time_ns() - int(t_start)) / 1e9
                     return time.monotonic() - max(0.0, ago)
             time.sleep(0.05)

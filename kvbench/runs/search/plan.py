@@ -106,7 +106,7 @@ class Planner:
         none); then down by ``hold_step`` after each failed hold while none held, up by it
         after each that held while none failed, and between the highest that held and the
         lowest that failed (geometric bisection) once both are known, until they are within
-        ``precision``. The claim is the highest level held."""
+        ``hold_precision``. The claim is the highest level held."""
         s = self.spec
         done = self.holds()
         up = self.held()
@@ -117,7 +117,7 @@ class Planner:
             level = down * s.hold_step
         elif down is None:
             level = up / s.hold_step
-        elif down / up - 1 <= s.precision or (self.closed and down - up <= 1):
+        elif down / up - 1 <= s.hold_precision or (self.closed and down - up <= 1):
             return None
         else:
             level = math.sqrt(up * down)
