@@ -110,21 +110,33 @@ def test_verdict_ranks_each_workload_by_capacity_per_gpu(ctx):
 
 
 def test_a_weak_figure_is_never_shown_apart_and_says_what_it_would_take():
-    """Brackets that are separated still are not "shown apart" when either figure is thin,
-    decided on its estimate, a lower bound or not held; a search without hold data (held
-    None) is not held against it."""
+    """Brackets that are separated still are not "shown apart" when the evidence is weak:
+    the upper one's pass thin, decided on its estimate or not held, or the lower one's
+    failure decided on its estimate; a weakness of the other ends (the lower one passing
+    thinly, the upper one a lower bound) says nothing of the order. A search without hold
+    data (held None) is not held against it."""
+    END = {"thin": "pass", "decided on its estimate": "pass", "not held": "pass",
+           "failure decided on its estimate": "fail", "a lower bound": "fail"}
+
     def row(ep, passed, fail, caveats=(), held=None):
         return {"endpoint": ep, "workload": "mix", "capacity": passed, "passed": passed,
                 "fail": fail, "per_gpu": passed, "held": held,
-                "caveats": [{"why": w, "text": f"{w}: more"} for w in caveats]}
+                "caveats": [{"why": w, "end": END[w], "text": f"{w}: more"} for w in caveats]}
 
     assert [r["apart"] for r in ranked([row("a", 10, 12), row("b", 4, 5)], "per_gpu")] == [
         None, "yes"]
-    for why in ("thin", "decided on its estimate", "a lower bound", "not held"):
+    for why in ("thin", "decided on its estimate", "not held"):
         got = ranked([row("a", 10, 12, [why]), row("b", 4, 5)], "per_gpu")
         assert got[1]["apart"] == f"no: a's figure is {why}"
         got = ranked([row("a", 10, 12), row("b", 4, 5, [why])], "per_gpu")
-        assert got[1]["apart"] == f"no: b's figure is {why}"
+        assert got[1]["apart"] == "yes"
+    got = ranked([row("a", 10, 12), row("b", 4, 5, ["failure decided on its estimate"])],
+                 "per_gpu")
+    assert got[1]["apart"] == "no: b's failure decided on its estimate"
+    got = ranked([row("a", 10, None, ["a lower bound"]), row("b", 4, 5)], "per_gpu")
+    assert got[1]["apart"] == "yes"
+    got = ranked([row("a", 4.5, 6), row("b", 4, 5)], "per_gpu")
+    assert got[1]["apart"] == "no: b's bracket overlaps a's"
     gpu = ranked([row("a", 10, 12, ["thin"]), row("b", 4, 5)], "per_gpu")
     assert sentence("mix", "req/s", gpu, [], []).endswith(
         "; not shown apart from b: a's figure is thin.")

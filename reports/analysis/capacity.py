@@ -145,6 +145,10 @@ def summarise(stages: list[StageEntry], frame: pd.DataFrame, slo: dict,
         shown_passes = [r for r in passes if shown[r]]
         low = max(shown_passes) if shown_passes else None
         high = min((r for r in fails if shown[r] and (low is None or r > low)), default=None)
+        if held:  # from the hold's level to the lowest failure shown above it: short
+            # passes above a held level were their first seconds, not shown passes
+            low = cap
+            high = min((r for r in above if shown[r]), default=None)
         notes = {s.search.stop for s in probes if s.search.stop}
         status = ("no pass" if cap is None else "no failure" if fail is None else "bracketed")
         if "budget" in notes:

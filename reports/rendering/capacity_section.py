@@ -116,21 +116,21 @@ def caveats(c, num=fmt) -> list[dict]:
         m = _THIN.match(at["thin"])
         text = (f"thin: {m['classes']} within SLO, {m['needed']} of each needed (longer "
                 "probes: search.probe_s, min_requests)" if m else f"thin: {at['thin']}")
-        out.append({"why": "thin", "text": text})
+        out.append({"why": "thin", "end": "pass", "text": text})
     if at.get("estimate"):
-        out.append({"why": "decided on its estimate",
+        out.append({"why": "decided on its estimate", "end": "pass",
                     "text": f"decided on its estimate at {num(c.capacity_rps)} {unit}: a "
                             "longer probe there (search.max_probe_s)"})
     if c.fail_rps is not None and c.high_rps != c.fail_rps:
-        out.append({"why": "decided on its estimate",
+        out.append({"why": "failure decided on its estimate", "end": "fail",
                     "text": f"its failure at {num(c.fail_rps)} {unit} decided on its "
                             "estimate: a longer probe there (search.max_probe_s)"})
     if c.fail_rps is None:
-        out.append({"why": "a lower bound",
+        out.append({"why": "a lower bound", "end": "fail",
                     "text": f"a lower bound: nothing failed up to {num(c.capacity_rps)} "
                             f"{unit}: a longer search (search.budget_s)"})
     if c.held is False:
-        out.append({"why": "not held",
+        out.append({"why": "not held", "end": "pass",
                     "text": f"not held: the hold at {num(c.capacity_rps)} {unit} failed"})
     return out
 
@@ -157,11 +157,17 @@ def ranked(rows: list[dict], key: str) -> list[dict]:
 
 
 def apart_text(a: dict, b: dict, key: str) -> str:
-    """"yes" when ``a`` (ranked above) is shown better than ``b``, else why not."""
+    """"yes" when ``a`` (ranked above) is shown better than ``b``, else why not. The evidence
+    is ``a``'s pass and ``b``'s failure: a weakness of either (``a`` thin, decided on its
+    estimate or not held; ``b``'s failure decided on its estimate) keeps them together, a
+    weakness of the other ends does not (``b`` passing thinly says nothing of whether ``a``
+    serves more than ``b`` fails at)."""
     if not separated(a, b, key):
-        return f"no: its bracket overlaps {a['endpoint']}'s"
-    weak = [f"{r['endpoint']}'s figure is " + " and ".join(
-        dict.fromkeys(x["why"] for x in r["caveats"])) for r in (a, b) if r.get("caveats")]
+        return f"no: {b['endpoint']}'s bracket overlaps {a['endpoint']}'s"
+    weak = [f"{r['endpoint']}'s " + ("figure is " if end == "pass" else "") + " and ".join(
+        dict.fromkeys(x["why"] for x in r.get("caveats", []) if x.get("end") == end))
+        for r, end in ((a, "pass"), (b, "fail"))
+        if any(x.get("end") == end for x in r.get("caveats", []))]
     return "no: " + "; ".join(weak) if weak else "yes"
 
 
