@@ -114,8 +114,10 @@ def caveats(c, num=fmt) -> list[dict]:
         return out
     if at.get("thin"):
         m = _THIN.match(at["thin"])
-        text = (f"thin: {m['classes']} within SLO, {m['needed']} of each needed (longer "
-                "probes: search.probe_s, min_requests)" if m else f"thin: {at['thin']}")
+        longer = ("a longer hold: search.hold_s" if c.held else
+                  "longer probes: search.probe_s, min_requests")
+        text = (f"thin: {m['classes']} within SLO, {m['needed']} of each needed ({longer})"
+                if m else f"thin: {at['thin']}")
         out.append({"why": "thin", "end": "pass", "text": text})
     if at.get("estimate"):
         out.append({"why": "decided on its estimate", "end": "pass",
