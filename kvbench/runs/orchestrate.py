@@ -150,16 +150,20 @@ class MatrixRun:
         self.jobs = matrix.jobs(self.cfg, self.sel, checked, run_id=self.run_id,
                                 results_dir=self.results_dir,
                                 duration_scale=self.opts.duration_scale)
+        parallel = (self.cfg.suite.parallel_endpoints and self.opts.dist is None
+                    and len(self.sel.endpoints) > 1)
+        if parallel:
+            self.jobs = self.own_servers(self.jobs)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         finalize.mark_running(self.run_dir)  # recovery leaves the run alone while this lives
         self.collectors = self.noting(
             lambda notes: telemetry.start(self.run_dir, self.cfg, self.jobs, notes))
         self.start_otlp()
-        self.console.planned(self.jobs, sum(matrix.expected_s(j) for j in self.jobs),
-                             self.run_dir)
-        if (self.cfg.suite.parallel_endpoints and self.opts.dist is None
-                and len(self.sel.endpoints) > 1):
-            self.jobs = self.own_servers(self.jobs)
+        # side by side, the lanes run at once: the load lasts as long as the longest lane
+        lanes = self.lanes() if parallel else {"": list(enumerate(self.jobs, 1))}
+        self.console.planned(self.jobs, max(sum(matrix.expected_s(j) for _, j in lane)
+                                            for lane in lanes.values()), self.run_dir)
+        if parallel:
             self.side_by_side()
         else:
             for k, job in enumerate(self.jobs, 1):
@@ -264,6 +268,14 @@ class MatrixRun:
             out.append(replace(job, endpoint=replace(job.endpoint, url=url)))
         return out
 
+    def lanes(self) -> dict[str, list]:
+        """Side by side, the jobs of each server in order, as (number, job): an endpoint at
+        a URL has one lane, a built-in endpoint one per workload (``own_servers``)."""
+        lanes: dict[str, list] = {}
+        for k, job in enumerate(self.jobs, 1):
+            lanes.setdefault(f"{job.endpoint.name}@{job.endpoint.url}", []).append((k, job))
+        return lanes
+
     def side_by_side(self) -> None:
         """``suite.parallel_endpoints``: each endpoint's jobs in order, the endpoints at once
         (one thread each, each with its own Locust child and its own workload generators).
@@ -272,9 +284,7 @@ class MatrixRun:
         from kvbench.runs import locust
         from kvbench.workloads.registry import make_workload
 
-        lanes: dict[str, list] = {}
-        for k, job in enumerate(self.jobs, 1):
-            lanes.setdefault(f"{job.endpoint.name}@{job.endpoint.url}", []).append((k, job))
+        lanes = self.lanes()
         stop = threading.Event()
         errors: list[BaseException] = []
 
