@@ -132,3 +132,40 @@ def test_costmodel_overlay_over_the_declared_endpoints_only(tmp_path):
     assert len(_model_traces(fig)) == 2
     assert "not drawn for ep1 (openai)" in fig["note"]
     assert "ep0" not in fig["note"]
+
+
+def test_records_against_counters_read_around_each_job(tmp_path):
+    """A built-in endpoint's workloads side by side run on servers of their own, and the
+    run's sampler follows one of them: the engine's side of the records-against-counters table
+    is then the counters kvbench read just before and just after each job, summed over the
+    endpoint's jobs (priming, which came before, left out); an endpoint with a job missing a
+    reading falls back to the samples."""
+    from kvbench.core.contract import CacheState
+
+    def state(ep, before, after):
+        return CacheState(endpoint=ep, workload="w", counters_before=before,
+                          counters_after=after)
+
+    zero = {"hits": 0, "queries": 0, "prompt": 0, "generation": 0, "tier_hits": None}
+    states = [state("vl", zero, {**zero, "hits": 100, "prompt": 1000, "generation": 50}),
+              state("vl", {**zero, "hits": 5, "prompt": 10, "generation": 1, "tier_hits": 0},
+                    {**zero, "hits": 55, "prompt": 510, "generation": 21, "tier_hits": 40}),
+              state("llama", zero, None),
+              # a run from before kvbench read the offload tiers' hits: the samples decide
+              state("old", {k: 0 for k in ("hits", "queries", "prompt", "generation")},
+                    {"hits": 1, "queries": 1, "prompt": 1, "generation": 1})]
+    got = E.job_increases(states)
+    assert got == {"vl": {"prompt_tokens": 1500.0, "cached_tokens": 190.0,
+                          "completion_tokens": 70.0}}
+    shape = RunShape(endpoints=[EndpointShape("vl", kind="openai")], requests_per_stage=20)
+    table, stages = synth_table(shape)
+    eng = engine_table(counters("vl", {"vllm:prefix_cache_hits_total": 200.0,
+                                       "vllm:prefix_cache_queries_total": 500.0,
+                                       "vllm:prompt_tokens_total": 500.0,
+                                       "vllm:generation_tokens_total": 50.0}))
+    d = load([write_run(tmp_path / "run", table, run_meta(shape, stages), engine=eng)])
+    sampled = {r["quantity"]: r["engine"] for r in E.comparison(d.engine, d.frame)}
+    around = {r["quantity"]: r["engine"] for r in E.comparison(d.engine, d.frame, None, got)}
+    assert sampled["prompt tokens"] == pytest.approx(500.0 * 29)
+    assert around == {"prompt tokens": 1500.0, "cached tokens": 190.0,
+                      "completion tokens": 70.0}

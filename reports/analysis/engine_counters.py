@@ -184,8 +184,45 @@ def _token_counters(a: EngineAdapter) -> dict[str, tuple[str, ...]]:
     return out
 
 
+# a token quantity of the records -> the keys of the counters kvbench reads around each job
+# (``runs.cache.read_counters``) whose increases make the engine's side of it
+JOB_COUNTERS = {"prompt_tokens": ("prompt",), "cached_tokens": ("hits", "tier_hits"),
+                "completion_tokens": ("generation",)}
+
+
+def job_increases(states) -> dict[str, dict[str, float]]:
+    """Per endpoint, each token quantity's increase of the engine's counters summed over its
+    jobs (run.json ``cache_states``: the counters read just before and just after each job),
+    for endpoints whose every job has both readings; priming requests fall outside them. The
+    run-level samples cannot stand in where a built-in endpoint ran its workloads on servers
+    of their own side by side (the sampler follows one server per endpoint)."""
+    out: dict[str, dict[str, float]] = {}
+    broken: set[str] = set()
+    for st in states:
+        ep = str(st.endpoint)
+        before, after = st.counters_before or {}, st.counters_after or {}
+        if not before or not after:
+            broken.add(ep)
+            continue
+        if any(k not in before or k not in after for keys in JOB_COUNTERS.values()
+               for k in keys):  # a run from before a counter was read: the samples decide
+            broken.add(ep)
+            continue
+        mine = out.setdefault(ep, {})
+        for quantity, keys in JOB_COUNTERS.items():
+            got = [(after.get(k), before.get(k)) for k in keys]
+            if got[0][0] is None or got[0][1] is None:
+                broken.add(ep)
+                continue
+            inc = sum(float(a) - float(b) for a, b in got if a is not None and b is not None
+                      and float(a) >= float(b))
+            mine[quantity] = mine.get(quantity, 0.0) + inc
+    return {ep: v for ep, v in out.items() if ep not in broken and len(v) == len(JOB_COUNTERS)}
+
+
 def comparison(engine: pa.Table, frame: pd.DataFrame,
-               primed: dict[str, tuple[int, int]] | None = None) -> list[dict]:
+               primed: dict[str, tuple[int, int]] | None = None,
+               jobs: dict[str, dict[str, float]] | None = None) -> list[dict]:
     """Per endpoint and token count, the records' sum over the requests that finished
     (server-reported usage) beside the increase of the engine's own counters over the run,
     and why they may differ.
@@ -194,6 +231,8 @@ def comparison(engine: pa.Table, frame: pd.DataFrame,
     while the server counted its prompt (and cached) tokens: each endpoint's row says how many
     there were. ``primed``: per endpoint, (requests, prompt tokens) the cache protocol sent to
     prime warm jobs (run.json ``cache_states``): the engine counted them, the records do not.
+    ``jobs``: per endpoint, the counters' increases around its jobs (``job_increases``):
+    where given they are the engine's side (priming excluded) instead of the run's samples.
     Rows: {endpoint, quantity, records, engine, diff, cancelled, note}."""
     by_ep = adapters(engine)
     if not by_ep:
@@ -214,14 +253,18 @@ def comparison(engine: pa.Table, frame: pd.DataFrame,
         cancelled = int(sub["cancelled"].sum())
         for quantity, counters in _token_counters(a).items():
             inc = increases.get(ep, {})
-            if not all(c in inc for c in counters):
+            around_jobs = (jobs or {}).get(ep)
+            if around_jobs is None and not all(c in inc for c in counters):
                 continue
             # requests cancelled at the stop have no usage (their prompt count would be the
             # client's plan): the records' side is the requests that finished
             mine = float(np.nansum(sub[quantity].to_numpy()[~sub["cancelled"].to_numpy()]))
-            theirs = float(sum(inc[c] for c in counters))
-            if quantity == "cached_tokens" and ep in tiers:
-                theirs += tiers[ep][1]
+            if around_jobs is not None:
+                theirs = float(around_jobs[quantity])
+            else:
+                theirs = float(sum(inc[c] for c in counters))
+                if quantity == "cached_tokens" and ep in tiers:
+                    theirs += tiers[ep][1]
             note = ""
             if cancelled and quantity != "completion_tokens":
                 note = (f"{cancelled:,} request{'s' * (cancelled != 1)} cancelled at the "
@@ -230,7 +273,8 @@ def comparison(engine: pa.Table, frame: pd.DataFrame,
                 note = (f"{cancelled:,} request{'s' * (cancelled != 1)} cancelled at the "
                         "stop: tokens the server generated for them before the cut are not "
                         "in the records")
-            n_primed, primed_tokens = (primed or {}).get(ep, (0, 0))
+            n_primed, primed_tokens = (primed or {}).get(ep, (0, 0)) if around_jobs is None \
+                else (0, 0)  # read around each job: its priming came before
             if n_primed and quantity != "cached_tokens":
                 what = (f"{primed_tokens:,} prompt tokens" if quantity == "prompt_tokens" else
                         f"up to {n_primed:,} generated tokens")

@@ -110,7 +110,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     engine_rows = [{**r, "records_text": fmt(r["records"], "count"),
                     "engine_text": fmt(r["engine"], "count"),
                     "diff_text": "–" if math.isnan(r["diff"]) else f"{100 * r['diff']:+.1f}%"}
-                   for r in E.comparison(d.engine, f, _primed(d))]
+                   for r in E.comparison(d.engine, f, _primed(d), _around_jobs(d))]
 
     # rankings of the stages outside a search: per workload (endpoints compete on the same
     # traffic only); a searched workload is ranked by its capacity (the verdict)
@@ -283,6 +283,20 @@ def _endpoint_row(label: str, entry: EndpointEntry, rows: pd.DataFrame, figures:
     return {"name": label, "topology": entry.topology or _mode(rows["topology"]),
             "model": entry.model, "url": redact.redact_url(entry.url), "gpus": entry.gpus,
             "gpu_hour_cost": entry.gpu_hour_cost, "example_price": figures["example_price"]}
+
+
+def _around_jobs(d: ReportData) -> dict[str, dict[str, float]]:
+    """Per endpoint label, the engine's token counters' increases around its jobs
+    (``engine_counters.job_increases``), over every run shown."""
+    shown = set(d.endpoint_names)
+    out: dict[str, dict[str, float]] = {}
+    for meta in d.runs:
+        for ep, inc in E.job_increases(meta.cache_states).items():
+            label = f"{ep}@{meta.run_id}" if f"{ep}@{meta.run_id}" in shown else ep
+            mine = out.setdefault(label, {})
+            for k, v in inc.items():
+                mine[k] = mine.get(k, 0.0) + v
+    return out
 
 
 def _primed(d: ReportData) -> dict[str, tuple[int, int]]:
