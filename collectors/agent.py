@@ -9,7 +9,9 @@ The agent samples its host's GPUs with NVML into memory and serves them over HTT
   number in the ``X-Kvbench-Seq`` header.
 
 When a token is set every request needs ``Authorization: Bearer <token>``; binding anything
-other than a loopback address without a token is refused.
+other than a loopback address without a token is refused, and so is a weak token. Idle and
+trickling connections are closed after a bound, and an aborted one is one log line
+(collectors/agent_conn.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import uuid
 import urllib.parse
 import urllib.request
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Callable
 
 import pyarrow as pa
@@ -36,6 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from kvbench.collectors.agent_conn import GuardedHandler, Limits, check_token, guarded_server
 from kvbench.collectors.nvml import NvmlSampler
 from kvbench.collectors.roles import role_for
 from kvbench.core.contract import Incomplete
@@ -82,28 +85,34 @@ class SampleBuffer:
             return [b for s, b in self._batches if s > seq], self.seq
 
 
-class _Server6(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
-
-
 class AgentServer:
-    """NVML sampler + HTTP server in daemon threads. ``start()`` binds (port 0: any free port)."""
+    """NVML sampler + HTTP server in daemon threads. ``start()`` binds (port 0: any free port).
+
+    ``token``: None for none (loopback only); a string is checked (``check_token``) and refused
+    when weak, blank included. ``token_env`` only names the variable in that refusal."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
                  interval_s: float = 0.1, nvml=None, max_rows: int = 1_000_000,
                  log: Callable[[str], None] | None = None,
-                 clock_ns: Callable[[], int] = time.time_ns):
-        if not token and not is_loopback(host):
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 token_env: str = DEFAULT_TOKEN_ENV, idle_timeout_s: float | None = None,
+                 request_timeout_s: float | None = None, send_timeout_s: float | None = None):
+        check_token(token, host=host, token_env=token_env)
+        if token is None and not is_loopback(host):
             raise UserError(f"kvbench collect: refusing to listen on {host} without a token; "
-                            f"set one in ${DEFAULT_TOKEN_ENV} (or the variable named by "
+                            f"set one in ${token_env} (or the variable named by "
                             "--token-env), or listen on 127.0.0.1")
+        given = {"idle_timeout_s": idle_timeout_s, "request_timeout_s": request_timeout_s,
+                 "send_timeout_s": send_timeout_s}
+        self.limits = Limits(**{k: v for k, v in given.items() if v is not None})
         self.bind_host, self.port = host, port
-        self.token = token or None
+        self.token = token
         self.clock_ns = clock_ns
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex  # changes on restart, so pullers restart their seq
         self.buffer = SampleBuffer(max_rows)
         log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.log = log
         self.sampler = NvmlSampler(self.buffer.append, interval_s=interval_s, nvml=nvml,
                                    host=self.hostname, flush_every_s=0.5, log=log,
                                    clock_ns=clock_ns)
@@ -117,14 +126,13 @@ class AgentServer:
 
     def start(self) -> "AgentServer":
         self.sampler.start()
-        server_cls = _Server6 if ":" in self.bind_host else ThreadingHTTPServer
+        server_cls = guarded_server(":" in self.bind_host, self.log)
         try:
             self._httpd = server_cls((self.bind_host, self.port), self._handler())
         except OSError as exc:
             self.sampler.stop()
             raise UserError(f"kvbench collect: cannot listen on {self.bind_host}:{self.port} "
                             f"({exc.strerror or exc}); choose another address or port") from None
-        self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvbench-agent",
                                         kwargs={"poll_interval": 0.2}, daemon=True)
@@ -140,16 +148,16 @@ class AgentServer:
     def _handler(self):
         agent = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # no per-request logging
-                pass
+        class Handler(GuardedHandler):
+            limits = agent.limits
+            log = staticmethod(agent.log)
 
             def _send(self, code: int, body: bytes, ctype: str, headers: dict | None = None):
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()

@@ -19,16 +19,17 @@ from kvbench.core.schema import GPU
 from fake_nvml import FakeGpu, FakeNvml
 
 SKEW_NS = 5_000_000_000  # the agent's clock runs 5 s ahead
+TOKEN = "test-agent-token-0123456789"  # at least 16 characters, as the agent asks
 
 
 def test_puller_aligns_clock_and_pulls_incrementally():
     t0 = time.time_ns()
-    agent = AgentServer("127.0.0.1", 0, token="s3cret", interval_s=0.02,
+    agent = AgentServer("127.0.0.1", 0, token=TOKEN, interval_s=0.02,
                         nvml=FakeNvml([FakeGpu(), FakeGpu(gpm=False)]), log=lambda m: None,
                         clock_ns=lambda: time.time_ns() + SKEW_NS).start()
     got = []
     try:
-        p = AgentPuller(agent.url, emit=got.append, token="s3cret", interval_s=0.2,
+        p = AgentPuller(agent.url, emit=got.append, token=TOKEN, interval_s=0.2,
                         roles=[GpuRole(gpus=[1], role="decode")])
         p.since_ns = t0  # the run began before the agent's first sample
         p.start()
@@ -55,17 +56,18 @@ def test_puller_aligns_clock_and_pulls_incrementally():
 
 
 def test_agent_requires_token_and_reports_failures():
-    agent = AgentServer("127.0.0.1", 0, token="right", interval_s=0.05,
+    agent = AgentServer("127.0.0.1", 0, token=TOKEN, interval_s=0.05,
                         nvml=FakeNvml([FakeGpu()]), log=lambda m: None).start()
     try:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(agent.url + "/clock", timeout=2)
         assert err.value.code == 401
-        p = AgentPuller(agent.url, emit=lambda b: None, token="wrong", log=lambda m: None)
+        p = AgentPuller(agent.url, emit=lambda b: None, token="wrong-" + TOKEN,
+                        log=lambda m: None)
         assert p.pull_once() is False and p.last_error == "HTTP 401 Unauthorized"
         assert "no successful pull" in p.telemetry()[f"agent:{agent.url}"]
         req = urllib.request.Request(agent.url + "/samples?after=0&format=parquet",
-                                     headers={"Authorization": "Bearer right"})
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
         time.sleep(0.6)
         with urllib.request.urlopen(req, timeout=2) as resp:
             import io
@@ -114,7 +116,7 @@ def test_kvbench_collect_cli_serves_and_stops_on_sigterm():
     import os
     import signal
 
-    env = {**os.environ, "KVBENCH_AGENT_TOKEN": "cli-token"}
+    env = {**os.environ, "KVBENCH_AGENT_TOKEN": TOKEN}
     proc = subprocess.Popen([sys.executable, "-m", "kvbench", "collect", "--listen",
                              "127.0.0.1:0", "--interval-s", "0.05"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -123,7 +125,7 @@ def test_kvbench_collect_cli_serves_and_stops_on_sigterm():
         assert line.startswith("kvbench collect: listening on http://127.0.0.1:"), line
         assert "bearer token required" in line
         url = line.split(" on ")[1].split(" ")[0]
-        p = AgentPuller(url, emit=lambda b: None, token="cli-token", log=lambda m: None)
+        p = AgentPuller(url, emit=lambda b: None, token=TOKEN, log=lambda m: None)
         assert p.pull_once(), p.last_error
         assert p.agent_status["host"] == p.host
         status = p.agent_status["nvml"]

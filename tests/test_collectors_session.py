@@ -18,8 +18,8 @@ from metrics_server import MetricsServer
 
 
 def test_session_writes_aligned_gpu_and_engine_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVB_TEST_TOKEN", "tok")
-    agent = AgentServer("127.0.0.1", 0, token="tok", interval_s=0.05,
+    monkeypatch.setenv("KVB_TEST_TOKEN", "session-test-token-0123")
+    agent = AgentServer("127.0.0.1", 0, token="session-test-token-0123", interval_s=0.05,
                         nvml=FakeNvml([FakeGpu()]), log=lambda m: None,
                         clock_ns=lambda: time.time_ns() - 3_000_000_000).start()
     logs = []
