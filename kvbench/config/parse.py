@@ -81,13 +81,12 @@ def _message(first: dict) -> str:
     return _clip(msg, 600)
 
 
-def problems(err: ValidationError, prefix: str = "") -> list[str]:
-    """``field <where>: <what>; <fix>`` for each place pydantic found wrong, once a place (a
-    union's branches each report the same field); ``prefix``: the location the errors' are
-    under (``endpoints[0].options.``)."""
+def problems(err: ValidationError) -> list[str]:
+    """``field <where>: <what>; <fix>`` for each place pydantic found wrong, the first
+    error of a place only."""
     out: dict[str, str] = {}
     for e in err.errors():
-        where = prefix + _loc(e["loc"])
+        where = _loc(e["loc"])
         fix = _FIXES.get(e["type"], "")
         out.setdefault(where, f"field {where}: {_message(e)}{'; ' + fix if fix else ''}")
     return list(out.values())
