@@ -61,7 +61,7 @@ def files_under(tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("run_id", ["../../escaped", "../escaped", "a/b", "/tmp/abs-run",
-                                    "..", ".", "history", "latest", "History", ".hidden",
+                                    "..", ".", "history", "latest", "History", "last-pass", ".hidden",
                                     "", "x" * 65, "with space"])
 def test_a_bad_run_id_is_one_sentence_and_writes_nothing(tmp_path, capsys, monkeypatch,
                                                          run_id):
@@ -101,7 +101,7 @@ def test_an_accepted_run_id_stays_a_plain_folder_of_the_results(text):
     base = Path("/srv/results")
     resolved = (base / text).resolve()
     assert resolved.parent == base and resolved.name == text
-    assert text.lower() not in ("history", "latest")
+    assert text.lower() not in ("history", "latest", "last-pass")
 
 
 @pytest.mark.parametrize("run_id", ["nightly-2026-12-03", "r", "20261203T000000Z-x-0001",

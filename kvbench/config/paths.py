@@ -8,8 +8,9 @@ import re
 
 from kvbench.workloads.specs import NAME_PATTERN
 
-# folders of a results folder that belong to the store, not to a run
-RESERVED_RUN_IDS = ("history", "latest")
+# folders of a results folder that belong to the store, not to a run, and the name
+# ``kvbench gate --baseline`` reads as "the last run that passed"
+RESERVED_RUN_IDS = ("history", "latest", "last-pass")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -24,8 +25,8 @@ def run_id_problem(run_id: str) -> str | None:
     if ".." in run_id:
         return f"{run_id!r} holds '..'; pick a name without it"
     if run_id.lower() in RESERVED_RUN_IDS:
-        return (f"{run_id!r} is the name of the results store's own folder; pick another "
-                f"(not {' or '.join(RESERVED_RUN_IDS)})")
+        return (f"{run_id!r} is a name the results store keeps for itself; pick another "
+                f"(not {', '.join(RESERVED_RUN_IDS)})")
     return None
 
 
@@ -33,7 +34,7 @@ def results_dir_problem(results_dir: str) -> str | None:
     """Why ``results_dir`` cannot be the results folder (None: it can)."""
     m = _SCHEME.match(results_dir.strip())
     if m:
-        return (f"{results_dir[:80]!r} is a {m.group(1)}:// URL, and results are written to "
+        return (f"{results_dir[:80]!r} is a URL ({m.group(1)}://), and results are written to "
                 "a local folder only (object storage is not supported yet); give a local path "
                 "and copy the run folder there afterwards")
     return None
