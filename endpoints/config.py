@@ -14,6 +14,9 @@ from kvbench.model import costmodel as cm
 from kvbench.model import profiles as pf
 from kvbench.model import topologies
 
+# Engines of one built-in endpoint (replicas, P/D GPUs, regions): each is emulated in the one
+# server process, so a thousand is already a slow event loop, and 1e18 never starts listening
+MAX_ENGINES = 1024
 SLOWDOWN_MAX = 100.0  # options.slowdown: beyond it, a probe of the endpoint would never end
 FAULT_KINDS = ("error", "rate_limit", "stall_before", "stall_mid", "reset", "malformed",
                "slow_headers")
@@ -70,9 +73,9 @@ class EmulatorConfig(_Strict):
     frontend_us_per_prompt_token: float = Field(default=cm.FRONTEND_US_PER_PROMPT_TOKEN, ge=0)
     default_max_tokens: int = Field(default=256, gt=0)  # chat requests without max_tokens
     # engines of a topology of replicas; None: its module's default (kvbench.model.topologies)
-    replicas: int | None = Field(default=None, gt=0)
-    prefill_gpus: int = Field(default=1, gt=0)
-    decode_gpus: int = Field(default=1, gt=0)
+    replicas: int | None = Field(default=None, gt=0, le=MAX_ENGINES)
+    prefill_gpus: int = Field(default=1, gt=0, le=MAX_ENGINES)
+    decode_gpus: int = Field(default=1, gt=0, le=MAX_ENGINES)
     link: Literal["rdma", "tcp"] = "rdma"
     rdma_gb_s: float = Field(default=pf.NIXL_RDMA_GB_S, gt=0)
     tcp_gb_s: float = Field(default=pf.NIXL_TCP_GB_S, gt=0)
@@ -87,8 +90,8 @@ class EmulatorConfig(_Strict):
     tier_us_per_load_unit: float = Field(default=cm.TIER_US_PER_LOAD_UNIT, ge=0)
     offload_step_overhead: float | None = Field(default=None, ge=0)  # None: per mode (costmodel)
     offload_request_overhead_ms: float | None = Field(default=None, ge=0)
-    regions: int = Field(default=pf.REGIONS, gt=0)
-    replicas_per_region: int = Field(default=pf.REPLICAS_PER_REGION, gt=0)
+    regions: int = Field(default=pf.REGIONS, gt=0, le=MAX_ENGINES)
+    replicas_per_region: int = Field(default=pf.REPLICAS_PER_REGION, gt=0, le=MAX_ENGINES)
     region_names: list[str] | None = None
     cross_region_rtt_ms: float = Field(default=pf.CROSS_REGION_RTT_MS, ge=0)
     router: Literal["ROUND_ROBIN", "REGIONAL", "GLOBAL"] = "REGIONAL"

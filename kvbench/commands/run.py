@@ -47,11 +47,27 @@ def add_parser(p) -> None:
 def run(args) -> int:
     from kvbench.runs.orchestrate import MatrixRun, RunOptions
 
+    check_places(args)
     opts = RunOptions(config=Path(args.config), processes=args.processes,
                       dist=distributed(args), results_dir=args.results_dir, run_id=args.run_id,
                       endpoints=args.endpoint, workloads=args.workload, profile=args.profile,
                       duration_scale=args.duration_scale)
     return MatrixRun(opts, Console()).run()
+
+
+def check_places(args) -> None:
+    """``--run-id`` names one plain folder of the results folder and ``--results-dir`` is a
+    local path: refused before anything is read or written."""
+    from kvbench.config.paths import results_dir_problem, run_id_problem
+
+    if args.run_id is not None:
+        why = run_id_problem(args.run_id)
+        if why:
+            raise UserError(f"--run-id {why}.")
+    if args.results_dir is not None:
+        why = results_dir_problem(args.results_dir)
+        if why:
+            raise UserError(f"--results-dir {why}.")
 
 
 def distributed(args):
@@ -123,6 +139,12 @@ class Console:
                      "endpoints, writing what was recorded", err=True)
         except OSError:  # SIGHUP: the terminal may be gone; the cleanup matters more
             pass
+
+    def incomplete(self, reasons: list[str], code: int) -> None:
+        """The run's last line: why its load is not whole, and the exit code that says so."""
+        sys.stdout.flush()  # after the summary, in a log that holds both streams
+        print(f"kvbench run: INCOMPLETE (exit {code}): {'; '.join(reasons)}; the results hold "
+              "what was recorded, and run.json's incomplete says the same", file=sys.stderr)
 
     def no_latest(self, latest: Path, exc: OSError) -> None:
         print(f"kvbench run: could not update {latest} ({exc})", file=sys.stderr)

@@ -35,6 +35,16 @@ class SuiteConfig(Strict):
     # say whether it kept up.
     parallel_endpoints: bool = False
 
+    @field_validator("results_dir")
+    @classmethod
+    def _local(cls, v: str) -> str:
+        from kvbench.config.paths import results_dir_problem
+
+        why = results_dir_problem(v)
+        if why:
+            raise ValueError(why)
+        return v
+
     @field_validator("otlp_listen")
     @classmethod
     def _listen(cls, v: str | None) -> str | None:

@@ -26,7 +26,8 @@ class BuiltinEndpoint(Strict):
     options: dict = Field(default_factory=dict)  # endpoints.config settings (see kvbench serve)
     max_context_tokens: int = Field(default=DEFAULT_CONTEXT_TOKENS, gt=0, le=MAX_TOKENS)
     model: str = "kvbench-llama-3-70b"
-    gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST)
+    gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST,
+                                         strict=True)  # a number: false is no price
     # Derived from the topology and its options (``endpoints.config.gpu_count``); a value
     # written in bench.toml must agree with it (it documents, never overrides, the topology).
     gpus: int | None = Field(default=None, gt=0, le=MAX_GPUS, validate_default=True)
@@ -70,7 +71,8 @@ class OpenAIEndpoint(Strict):
     max_context_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)  # None: /v1/models
     metrics_url: str | None = None  # engine /metrics to scrape; None: <url>/metrics
     headers: dict[str, str] = Field(default_factory=dict, max_length=100)
-    gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST)
+    gpu_hour_cost: float | None = Field(default=None, ge=0, le=MAX_GPU_HOUR_COST,
+                                         strict=True)  # a number: false is no price
     gpus: int = Field(default=1, gt=0, le=MAX_GPUS)
     engine: str = "auto"  # engine family (kvbench.engines); "auto": detected from /metrics
 

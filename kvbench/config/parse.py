@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from kvbench.config.bench import BenchConfig
 from kvbench.config.endpoints import ENDPOINT_KINDS
 from kvbench.core.errors import UserError
-from kvbench.reports.measures.spec import DEFAULT_SLOS
+from kvbench.model import topologies
+from kvbench.reports.measures.spec import DEFAULT_SLOS, GateConfig
 from kvbench.workloads import registry
 from kvbench.workloads.specs import NAME_PATTERN
 
@@ -53,6 +54,9 @@ _FIXES = {
     "less_than": "use a smaller value",
     "less_than_equal": "use a smaller value",
     "finite_number": "write a number, not inf or nan",
+    "float_type": "write a number, e.g. 3.5",
+    "int_type": "write a whole number",
+    "int_from_float": "write a whole number",
     "string_too_long": "shorten it",
     "too_long": "list fewer items",
     "too_short": "list at least one",
@@ -77,13 +81,27 @@ def _message(first: dict) -> str:
     return _clip(msg, 600)
 
 
+def problems(err: ValidationError) -> list[str]:
+    """``field <where>: <what>; <fix>`` for each place pydantic found wrong, the first
+    error of a place only."""
+    out: dict[str, str] = {}
+    for e in err.errors():
+        where = _loc(e["loc"])
+        fix = _FIXES.get(e["type"], "")
+        out.setdefault(where, f"field {where}: {_message(e)}{'; ' + fix if fix else ''}")
+    return list(out.values())
+
+
+def joined(path: Path, found: list[str]) -> str:
+    """One line naming the file and every problem found in it (``field ...: ...; fix``),
+    the first as it would read alone, the others after it, each with its own fix."""
+    if len(found) > 1:  # each the shorter, so that several still read as one line
+        found = [_clip(x, 240) for x in found]
+    return f"{path}: {' | '.join(found)}."
+
+
 def one_sentence(path: Path, err: ValidationError) -> str:
-    first = err.errors()[0]
-    where = _loc(first["loc"])
-    fix = _FIXES.get(first["type"], "")
-    more = len(err.errors()) - 1
-    tail = f" ({more} more problem{'s' if more > 1 else ''} after this one)" if more else ""
-    return f"{path}: field {where}: {_message(first)}{'; ' + fix if fix else ''}{tail}."
+    return joined(path, problems(err))
 
 
 def parse_config(data: dict, path: Path | str = "bench.toml") -> BenchConfig:
@@ -91,8 +109,14 @@ def parse_config(data: dict, path: Path | str = "bench.toml") -> BenchConfig:
     try:
         cfg = BenchConfig.model_validate(data)
     except ValidationError as err:
-        raise UserError(one_sentence(path, err)) from None
-    _cross_checks(cfg, path)
+        found = problems(err)
+        if isinstance(data, dict):  # the sections checked apart, when they are whole
+            found += _builtin_option_problems(data.get("endpoints"), skip=found)
+            found += _gate_rule_problems(_gate_or_none(data.get("gate", {})))
+        raise UserError(joined(path, found)) from None
+    found = _cross_checks(cfg)
+    if found:
+        raise UserError(joined(path, found))
     return _with_default_slos(cfg)
 
 
@@ -158,48 +182,86 @@ def _relative_paths(data: dict, path: Path) -> None:
                 w[field] = str(path.parent / w[field])
 
 
-def _cross_checks(cfg: BenchConfig, path: Path) -> None:
+def _cross_checks(cfg: BenchConfig) -> list[str]:
+    """Every problem across sections (``field ...: ...; fix``); none: an empty list."""
+    found: list[str] = []
     names = [ep.name for ep in cfg.endpoints]
-    for n in names:
-        if names.count(n) > 1:
-            raise UserError(f"{path}: field endpoints: the name {n!r} is used twice; "
-                            "give each endpoint its own name.")
+    for n in sorted({n for n in names if names.count(n) > 1}):
+        found.append(f"field endpoints: the name {n!r} is used twice; give each endpoint its "
+                     "own name")
     for wname, spec in cfg.workloads.items():
         bad = spec.check_tables(wname, cfg.workloads)
         if bad is not None:
-            raise UserError(f"{path}: field {bad[0]}: {bad[1]}.")
+            found.append(f"field {bad[0]}: {bad[1]}")
     for wname in cfg.suite.workloads or []:
         if wname not in cfg.workloads:
-            raise UserError(f"{path}: field suite.workloads: {wname!r} is not defined; add a "
-                            f"[workloads.{wname}] table or remove it from the list.")
+            found.append(f"field suite.workloads: {wname!r} is not defined; add a "
+                         f"[workloads.{wname}] table or remove it from the list")
     if cfg.suite.profile is not None and cfg.suite.profile not in cfg.profiles:
-        raise UserError(f"{path}: field suite.profile: {cfg.suite.profile!r} is not defined; "
-                        f"use one of {sorted(cfg.profiles)}.")
+        found.append(f"field suite.profile: {cfg.suite.profile!r} is not defined; "
+                     f"use one of {sorted(cfg.profiles)}")
     classes = _request_classes(cfg)
     for cls in cfg.slo:
         if cls not in classes:
-            raise UserError(f"{path}: field slo: [slo.{_clip(cls, 40)}] names no request class "
-                            f"of the configured workloads; use one of {sorted(classes)} or "
-                            "remove the table.")
+            found.append(f"field slo: [slo.{_clip(cls, 40)}] names no request class "
+                         f"of the configured workloads; use one of {sorted(classes)} or "
+                         "remove the table")
     for ep in cfg.endpoints:
-        ctx = ep.max_context_tokens
-        if ctx is None:
+        found += _context_problems(cfg, ep)
+    found += _gate_rule_problems(cfg.gate)
+    found += _builtin_option_problems([ep.model_dump() for ep in cfg.endpoints])
+    return found
+
+
+def _context_problems(cfg: BenchConfig, ep) -> list[str]:
+    """Workloads whose prompts or outputs cannot fit the context of endpoint ``ep``."""
+    ctx = ep.max_context_tokens
+    found: list[str] = []
+    for wname, spec in cfg.workloads.items() if ctx is not None else ():
+        out_max = spec.max_output_upper()
+        if out_max != float("inf") and out_max >= ctx:
+            found.append(
+                f"field workloads.{wname}: max_tokens can reach {int(out_max)}, not "
+                f"below the context of endpoint {ep.name!r} ({ctx} tokens); lower the "
+                "output_tokens max")
             continue
-        for wname, spec in cfg.workloads.items():
-            out_max = spec.max_output_upper()
-            if out_max != float("inf") and out_max >= ctx:
-                raise UserError(
-                    f"{path}: field workloads.{wname}: max_tokens can reach {int(out_max)}, not "
-                    f"below the context of endpoint {ep.name!r} ({ctx} tokens); lower the "
-                    "output_tokens max.")
-            total = spec.max_prompt_upper() + (0 if out_max == float("inf") else out_max)
-            if total != float("inf") and total > ctx:
-                raise UserError(
-                    f"{path}: field workloads.{wname}: prompts plus outputs can reach "
-                    f"{int(total)} tokens, more than the context of endpoint {ep.name!r} "
-                    f"({ctx} tokens); lower the token maxima or raise max_context_tokens.")
-    if cfg.endpoints and any(ep.kind == "builtin" for ep in cfg.endpoints):
-        _validate_builtin_options(cfg, path)
+        total = spec.max_prompt_upper() + (0 if out_max == float("inf") else out_max)
+        if total != float("inf") and total > ctx:
+            found.append(
+                f"field workloads.{wname}: prompts plus outputs can reach "
+                f"{int(total)} tokens, more than the context of endpoint {ep.name!r} "
+                f"({ctx} tokens); lower the token maxima or raise max_context_tokens")
+    return found
+
+
+# Metrics that are never below zero (latencies, rates, ratios, throughputs): a ceiling below
+# zero is a rule no run can pass. Lateness may be negative (a request sent early).
+def _never_negative(metric: str) -> bool:
+    from kvbench.reports.measures.spec import metric_name
+
+    try:
+        key = metric_name(metric)
+    except UserError:  # reported as the rule's own error
+        return False
+    return not key.startswith("lateness_")
+
+
+def _gate_or_none(table) -> GateConfig | None:
+    try:
+        return GateConfig.model_validate(table)
+    except ValidationError:  # its errors are among the config's
+        return None
+
+
+def _gate_rule_problems(gate: GateConfig | None) -> list[str]:
+    """Gate rules no run could pass."""
+    found = []
+    for i, rule in enumerate(gate.rules if gate is not None else ()):
+        if rule.max_value is not None and rule.max_value < 0 and _never_negative(rule.metric):
+            found.append(f"field gate.rules[{i}].max_value: {rule.max_value:g} is below zero, "
+                         f"which {rule.metric} never is, so the rule could never pass; give "
+                         "the ceiling in the metric's own unit (error_rate = 0.005 is 0.5%)")
+    return found
 
 
 def _request_classes(cfg: BenchConfig) -> set[str]:
@@ -212,18 +274,28 @@ def _request_classes(cfg: BenchConfig) -> set[str]:
     return classes
 
 
-def _validate_builtin_options(cfg: BenchConfig, path: Path) -> None:
+def _builtin_option_problems(endpoints, skip=()) -> list[str]:
+    """Problems of the built-in endpoints' ``options`` (``endpoints`` as written, or dumped),
+    each place once, none already in ``skip``."""
     try:
         from kvbench.endpoints.config import validate_options
     except ImportError:  # the emulator's settings are checked when it starts
-        return
-    for i, ep in enumerate(cfg.endpoints):
-        if ep.kind == "builtin":
-            try:
-                validate_options(ep.topology, ep.options)
-            except ValidationError as err:
-                first = err.errors()[0]
-                raise UserError(
-                    f"{path}: field endpoints[{i}].options.{_loc(first['loc'])}: "
-                    f"{_message(first)}; "
-                    f"{_FIXES.get(first['type'], 'see kvbench serve --help')}.") from None
+        return []
+    found: list[str] = []
+    for i, ep in enumerate(endpoints if isinstance(endpoints, list) else ()):
+        if not (isinstance(ep, dict) and ep.get("kind") == "builtin"
+                and isinstance(ep.get("topology"), str)
+                and isinstance(ep.get("options", {}), dict)):
+            continue
+        try:
+            validate_options(topologies.accept(ep["topology"]), ep.get("options", {}))
+        except ValidationError as err:
+            for e in err.errors():
+                where = f"endpoints[{i}].options.{_loc(e['loc'])}"
+                line = (f"field {where}: {_message(e)}; "
+                        f"{_FIXES.get(e['type'], 'see kvbench serve --help')}")
+                if not any(f"field {where}:" in x for x in (*skip, *found)):
+                    found.append(line)
+        except Exception:  # noqa: BLE001  an unknown topology: the endpoint's own error
+            continue
+    return found

@@ -1,4 +1,11 @@
-"""Errors meant for users: the CLI prints them as one sentence, no traceback."""
+"""Errors meant for users: the CLI prints them as one sentence, no traceback.
+
+The exit codes of ``kvbench`` commands: 0 done; 1 the gate failed; 2 a user error (bad config,
+flag or input; the gate's inconclusive with ``--strict``); 3 a data error (results that cannot
+be read or compared; the gate's usage errors too); 4 ``kvbench run`` finished, run.json
+written, but a job ended incomplete (its Locust child was killed, a worker was lost: the reason
+is the last line it prints); 128 + N stopped by signal N.
+"""
 
 
 class UserError(Exception):
@@ -14,3 +21,7 @@ class DataError(UserError):
     """Results that cannot be read or compared (missing baseline, other schema version)."""
 
     exit_code = 3
+
+
+# ``kvbench run``: the run finished and run.json is written, but a job's load was cut short
+INCOMPLETE_EXIT = 4

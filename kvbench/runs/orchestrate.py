@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.core.contract import Incomplete, RunMeta
-from kvbench.core.errors import UserError
+from kvbench.core.errors import INCOMPLETE_EXIT, UserError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -73,6 +73,7 @@ class MatrixRun:
     receiver: object = None  # the OTLP receiver, when suite.otlp_listen
     telemetry: dict = field(default_factory=dict)  # {source: "ok" | why it is missing}
     incomplete: list[Incomplete] = field(default_factory=list)
+    cut_jobs: list[Incomplete] = field(default_factory=list)  # a job's load cut short
     clock_offsets_ns: dict = field(default_factory=dict)
     interrupted: Interrupted | None = None
     started_ns: int = 0
@@ -139,7 +140,28 @@ class MatrixRun:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return 128 + self.interrupted.signum if self.interrupted else 0
+        if self.interrupted:
+            return 128 + self.interrupted.signum
+        cut = self.cut_short(meta) if meta is not None else []
+        if cut:
+            self.console.incomplete(cut, INCOMPLETE_EXIT)
+            return INCOMPLETE_EXIT
+        return 0
+
+    def cut_short(self, meta: RunMeta) -> list[str]:
+        """Why the run's load is not whole, from what the jobs returned and run.json: a Locust
+        child that exited on a signal or an error, a load process killed before it closed its
+        records, a worker lost, records compacted that do not add up. Telemetry that could
+        not be collected or a summary that could not be written leave the load whole."""
+        out = [f"{i.what}: {i.why}" for i in self.cut_jobs]
+        if meta.interrupted:  # no signal reached kvbench run: a load process's own account
+            out.append(f"the load: {meta.interruption}")
+        for name, acct in (meta.workers or {}).items():
+            if acct.get("lost"):
+                out.append(f"worker {name}: lost ({acct.get('lost_why')})")
+        out += [f"{i.what}: {i.why}" for i in meta.incomplete
+                if i.what == "records" or i.what.endswith("load process(es)")]
+        return out
 
     # -- the load
     def load(self) -> None:
@@ -240,8 +262,9 @@ class MatrixRun:
         if out.error:
             raise UserError(out.error)
         if out.rc not in (0, 1):  # 1: Locust saw failed requests, which the records hold
-            self.incomplete.append(Incomplete(what=label,
-                                              why=f"locust exited with code {out.rc}"))
+            note = Incomplete(what=label, why=f"locust exited with code {out.rc}")
+            self.incomplete.append(note)
+            self.cut_jobs.append(note)  # the run's exit says so (``cut_short``)
 
     def own_servers(self, jobs: list) -> list:
         """Side by side, a built-in endpoint's later workloads each get a server of their own
