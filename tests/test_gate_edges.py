@@ -88,6 +88,8 @@ def _with_extra_requests(table: pa.Table, n_extra: int, factor: float) -> pa.Tab
     extra = table.slice(0, n_extra)
     cols = {name: extra.column(name) for name in REQUESTS.names}
     cols["session_id"] = pa.array([f"extra-{i}" for i in range(n_extra)])
+    # new requests have ids of their own (one id twice on a worker is a damaged run)
+    cols["request_id"] = pa.array([f"extra-{i}#0" for i in range(n_extra)])
     for name in ("ttft_ns", "e2e_ns"):
         v = extra.column(name).to_numpy(zero_copy_only=False).astype(float)
         cols[name] = pa.array((v * factor).astype(np.int64))

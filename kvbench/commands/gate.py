@@ -25,6 +25,10 @@ def add_parser(p) -> None:
     p.add_argument("--json", default=None, help="write the verdicts as JSON here")
     p.add_argument("--strict", action="store_true",
                    help="exit 2 when any rule is inconclusive (default: exit 0)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="a rule with no data to judge (no records of its class, its column "
+                        "all null) is reported as NO DATA instead of failing the gate with "
+                        "exit 3; every output says so")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--no-history", action="store_true",
                    help="do not record the verdict in the results history")
@@ -99,18 +103,24 @@ def _run(args) -> int:
     suite = current.meta.suite
     base_path = _resolve_baseline(args.baseline, results_dir, suite, current_path)
     baseline = load_results(base_path)
-    results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed)
+    results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed,
+                            allow_missing=args.allow_missing)
     verdict = gate.overall(results)
+    missing = gate.missing_note(results)
     for r in results:
-        print(f"{r.verdict.upper():>12}  {r.name}: {r.describe()}")
-    print(f"kvbench gate: {verdict.upper()} ({len(results)} checks; baseline {base_path})")
+        label = "NO DATA" if r.verdict == "missing" else r.verdict.upper()
+        print(f"{label:>12}  {r.name}: {r.describe()}")
+    shown = "NO DATA" if verdict == "missing" else verdict.upper()
+    print(f"kvbench gate: {shown} ({len(results)} checks; baseline {base_path})"
+          + (f"; {missing}" if missing else ""))
     md = gate.markdown(results, str(base_path), str(current_path), gate_cfg.confidence)
     if args.markdown:
         Path(args.markdown).write_text(md)
     if args.junit:
         Path(args.junit).write_text(gate.junit_xml(results))
     verdict_doc = {"verdict": verdict, "baseline": str(base_path), "current": str(current_path),
-                   "confidence": gate_cfg.confidence, "rules": gate.to_records(results)}
+                   "confidence": gate_cfg.confidence, "missing": missing or None,
+                   "rules": gate.to_records(results)}
     if args.json:
         Path(args.json).write_text(json.dumps(verdict_doc, indent=2, default=str))
     # Beside the run, so its report can show the gate section.

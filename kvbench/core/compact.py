@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvbench.core.checks import check_requests, records_source
 from kvbench.core.contract import RunMeta
 from kvbench.core.rows import START_COLUMNS, shard_files
 from kvbench.core.runjson import read_meta
@@ -92,10 +93,12 @@ class Results:
 
 
 def load_results(path: Path | str) -> Results:
-    """Read one run directory: run.json plus every table (parquet, then live shards)."""
+    """Read one run directory: run.json plus every table (parquet, then live shards); records
+    that cannot be true are a ``DataError`` (``core.checks``)."""
     run_dir = Path(path)
     meta = read_meta(run_dir)
     tables = {name: read_table(run_dir, name, strict=True) for name in TABLES}
+    check_requests(tables["requests"], records_source(run_dir))  # impossible records: an error
     tables["requests"] = align_worker_clocks(tables["requests"], meta.worker_clock_offsets_ns)
     return Results(run_dir, meta, tables)
 

@@ -74,6 +74,9 @@ def read_meta(run_dir: Path | str) -> RunMeta:
         what = "empty" if not meta_path.stat().st_size else f"not valid JSON ({exc})"
         raise DataError(f"{meta_path}: run.json is {what}; restore it from a copy, or rerun "
                         "the run") from None
+    except RecursionError:  # brackets nested past the parser's depth: no run.json is
+        raise DataError(f"{meta_path}: run.json is not valid JSON (nested too deeply to be a "
+                        "run.json); restore it from a copy, or rerun the run") from None
     if not isinstance(data, dict):
         raise DataError(f"{meta_path}: run.json holds {_json_kind(data)}, not the JSON object "
                         "kvbench writes; restore it from a copy, or rerun the run")
@@ -140,8 +143,9 @@ def read_proc_meta(run_dir: Path | str) -> list[ProcMeta]:
         except OSError as exc:
             raise DataError(f"{p}: cannot be read ({exc.strerror or exc}); check its "
                             "permissions or remove it") from None
-        except ValueError as exc:
-            raise DataError(f"{p}: a load process's sidecar that is not valid JSON ({exc}); "
+        except (ValueError, RecursionError) as exc:
+            why = exc if isinstance(exc, ValueError) else "nested too deeply"
+            raise DataError(f"{p}: a load process's sidecar that is not valid JSON ({why}); "
                             "remove it (its process's counts are then unknown)") from None
         problem = _proc_meta_problem(data)
         if problem:

@@ -1,5 +1,8 @@
 """The nightly gate: a noise-aware comparison of a run with its baseline.
 
+Over 400 lines, kept whole: the rule evaluation and its outputs (console text, JUnit, Markdown,
+JSON records) stay together, so a verdict reads the same in each.
+
 For each rule the statistic is bootstrapped in both runs (``reports.metrics``: the same metric
 definitions as the report), the replicates are paired at random, and the ratio current /
 baseline gets a percentile confidence interval. A relative rule (``max_increase_pct``,
@@ -9,7 +12,10 @@ baseline gets a percentile confidence interval. A relative rule (``max_increase_
 Verdicts: ``pass`` when the whole interval is within the limit, ``fail`` when the whole
 interval lies beyond it, ``inconclusive`` when it straddles the limit (the change may be noise).
 A gate never passes on nothing: a run without records, a rule over a class or endpoint one run
-lacks, or no check at all is a ``DataError`` (exit 3), not a verdict. In a paired comparison
+lacks, a rule whose statistic has no value in a run (its column all null or dropped), or no
+check at all is a ``DataError`` (exit 3), not a verdict. Only when the user asks (``--allow-missing``,
+or ``allow_missing = true`` on the rule) does a rule without data become the verdict
+``missing``, which does not fail the gate and is said in every output. In a paired comparison
 the values shown and the interval are both taken over the matched requests.
 
 Rates (``*_rps``, ``*_tps``) are counts over a fixed stage wall time. Resampling requests keeps
@@ -33,7 +39,9 @@ from kvbench.core.errors import DataError, UserError
 from kvbench.core.store import RunMeta
 from kvbench.reports.statistics import metrics as M
 
-VERDICT_ORDER = {"pass": 0, "inconclusive": 1, "fail": 2}
+# "missing": a rule without data that the user allowed; it neither passes nor fails the gate
+VERDICT_ORDER = {"missing": -1, "pass": 0, "inconclusive": 1, "fail": 2}
+ALLOWED = "allowed by --allow-missing or the rule's allow_missing"
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class RuleResult:
 
     def describe(self) -> str:
         unit = M.METRIC_INFO[self.metric].unit
+        if self.verdict == "missing":
+            return f"{self.metric}: no data to judge, {self.note}"
         if self.kind == "relative":
             change = (self.current / self.baseline - 1) * 100 if self.baseline else math.nan
             return (f"{self.metric} {self.baseline:.4g} -> {self.current:.4g} {unit} "
@@ -155,8 +165,10 @@ def _interval(reps: np.ndarray, confidence: float) -> tuple[float, float]:
 
 
 def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
-             seed: int = 0) -> list[RuleResult]:
-    """Every rule of ``gate_cfg`` (kvbench.config.GateConfig) on two ``Results``."""
+             seed: int = 0, allow_missing: bool = False) -> list[RuleResult]:
+    """Every rule of ``gate_cfg`` (kvbench.config.GateConfig) on two ``Results``. A rule with
+    no data is a ``DataError`` unless ``allow_missing`` (or the rule's ``allow_missing``):
+    then it is a ``missing`` result."""
     if not gate_cfg.rules:
         raise UserError("the gate has no rules; add [gate] rules to bench.toml")
     slo = slo if slo is not None else current.meta.slo
@@ -182,13 +194,27 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
         else:
             raise DataError(f"gate rule {i} names endpoint {rule.endpoint!r}, which the current "
                             f"run does not have; use one of {endpoints_cur} or \"*\"")
+        allowed = allow_missing or bool(getattr(rule, "allow_missing", False))
         for ep in eps:
-            _require_records(i, rule, metric, ep, cur, current, "current")
-            if base is not None and rule.max_value is None:
-                _require_records(i, rule, metric, ep, base, baseline, "baseline")
-            shared = baseline is not None and same_schedule(baseline.meta, current.meta, ep)
-            out.append(_one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i,
-                            shared_schedule=shared))
+            try:
+                _require_records(i, rule, metric, ep, cur, current, "current", allowed)
+                if base is not None and rule.max_value is None:
+                    _require_records(i, rule, metric, ep, base, baseline, "baseline", allowed)
+                shared = baseline is not None and same_schedule(baseline.meta, current.meta, ep)
+                result = _one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i,
+                              shared_schedule=shared)
+                if result.verdict == "missing":
+                    run = baseline if "baseline run" in result.note else current
+                    raise _NoData(_where(run), result.note)
+            except _NoData as exc:
+                if not allowed:
+                    raise DataError(f"{exc.where}: gate rule {i} ({metric}) has no data to judge "
+                                    f"for endpoint {ep!r} and {_cls(rule)} ({exc.why}), which "
+                                    "is not a pass; check the runs' records, or pass "
+                                    "--allow-missing (or set allow_missing = true on the rule) "
+                                    "to accept that") from None
+                result = _missing(rule, metric, ep, exc.why)
+            out.append(result)
     if not out:
         raise DataError(f"{_where(current)}: the gate evaluated no check (no rule matched an "
                         "endpoint of the current run), which is not a pass; fix the [gate] "
@@ -200,16 +226,41 @@ def _where(results) -> str:
     return str(getattr(results, "path", None) or "run")
 
 
+class _NoData(Exception):
+    """A rule that found nothing to judge (turned into a ``DataError`` unless allowed)."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(why)
+        self.where, self.why = where, why
+
+
+def _cls(rule) -> str:
+    return "any class" if rule.request_class == "*" else f"class {rule.request_class!r}"
+
+
+def _missing(rule, metric: str, endpoint: str, why: str) -> RuleResult:
+    """The result of a rule without data that the user allowed."""
+    kind = "absolute" if rule.max_value is not None else "relative"
+    limit = rule.max_value if rule.max_value is not None else (
+        1 + rule.max_increase_pct / 100 if rule.max_increase_pct is not None
+        else 1 - rule.max_decrease_pct / 100)
+    return RuleResult(metric=metric, endpoint=endpoint, request_class=rule.request_class,
+                      kind=kind, limit=limit, baseline=math.nan, current=math.nan,
+                      low=math.nan, high=math.nan, n_baseline=0, n_current=0,
+                      verdict="missing", note=f"{why}; {ALLOWED}")
+
+
 def _require_records(i: int, rule, metric: str, endpoint: str, frame: pd.DataFrame, results,
-                     side: str) -> None:
+                     side: str, allowed: bool = False) -> None:
     """A rule over a class (or endpoint) with no records in a run is an error, not a check."""
     if len(_select(frame, endpoint, rule.request_class)):
         return
-    cls = "any class" if rule.request_class == "*" else f"class {rule.request_class!r}"
+    if allowed:
+        raise _NoData(_where(results), f"the {side} run has no records of it")
     raise DataError(f"{_where(results)}: the {side} run has no records of endpoint "
-                    f"{endpoint!r} and {cls}, so gate rule {i} ({metric}) cannot be judged "
-                    "(not a pass); fix the rule's class or endpoint, or choose runs that "
-                    "sent those requests")
+                    f"{endpoint!r} and {_cls(rule)}, so gate rule {i} ({metric}) cannot be "
+                    "judged (not a pass); fix the rule's class or endpoint, choose runs that "
+                    "sent those requests, or pass --allow-missing to accept that")
 
 
 def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
@@ -223,7 +274,7 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
     if rule.max_value is not None:
         lo, hi = _interval(reps_c, conf)
         if len(fc) == 0 or math.isnan(est_c):
-            verdict, note = "inconclusive", "no data in the current run"
+            verdict, note = "missing", f"{metric} has no value in the current run's records"
         elif hi <= rule.max_value or (lo == hi == est_c and est_c <= rule.max_value):
             verdict, note = "pass", ""
         elif lo > rule.max_value:
@@ -246,7 +297,8 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
     note = ""
     if len(fb) == 0 or len(fc) == 0 or math.isnan(est_b) or math.isnan(est_c):
         lo = hi = math.nan
-        verdict, note = "inconclusive", "no data for this endpoint and class in one of the runs"
+        side = "current" if len(fc) == 0 or math.isnan(est_c) else "baseline"
+        verdict, note = "missing", f"{metric} has no value in the {side} run's records"
     elif est_b == 0:
         lo = hi = math.nan
         if est_c == 0:
@@ -283,30 +335,47 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
 
 
 def overall(results: list[RuleResult]) -> str:
-    """The worst verdict; no results is not a pass (``evaluate`` never returns none)."""
+    """The worst verdict of the rules judged (``missing`` only when every rule lacked data,
+    which the user allowed); no results is not a pass (``evaluate`` never returns none)."""
     if not results:
         raise DataError("the gate evaluated no check, which is not a pass")
     return max((r.verdict for r in results), key=VERDICT_ORDER.__getitem__)
 
 
+def missing_note(results: list[RuleResult]) -> str:
+    """The sentence every output carries when rules without data were allowed ("" if none)."""
+    n = sum(r.verdict == "missing" for r in results)
+    if not n:
+        return ""
+    return (f"{n} of {len(results)} check{'s' * (len(results) != 1)} had no data and "
+            f"{'were' if n != 1 else 'was'} not judged ({ALLOWED})")
+
+
 def exit_code(verdict: str, strict: bool = False) -> int:
-    """0 pass, 1 fail, 2 inconclusive when ``strict`` (else 0)."""
-    return {"pass": 0, "fail": 1, "inconclusive": 2 if strict else 0}[verdict]
+    """0 pass, 1 fail, 2 inconclusive when ``strict`` (else 0); ``missing`` (every rule
+    without data, which the user allowed) is 0."""
+    return {"pass": 0, "missing": 0, "fail": 1, "inconclusive": 2 if strict else 0}[verdict]
 
 
 def junit_xml(results: list[RuleResult], suite: str = "kvbench-gate") -> str:
     """JUnit XML, one test case per rule and endpoint; inconclusive rules are 'skipped'."""
     fails = sum(r.verdict == "fail" for r in results)
-    skips = sum(r.verdict == "inconclusive" for r in results)
+    skips = sum(r.verdict in ("inconclusive", "missing") for r in results)
     lines = ['<?xml version="1.0" encoding="UTF-8"?>',
              f'<testsuite name={quoteattr(suite)} tests="{len(results)}" failures="{fails}" '
              f'skipped="{skips}" errors="0">']
+    if missing_note(results):
+        lines += ["  <properties>",
+                  f'    <property name="missing" value={quoteattr(missing_note(results))}/>',
+                  "  </properties>"]
     for r in results:
         lines.append(f'  <testcase classname={quoteattr(suite)} name={quoteattr(r.name)}>')
         if r.verdict == "fail":
             lines.append(f'    <failure message={quoteattr(r.describe())}/>')
         elif r.verdict == "inconclusive":
             lines.append(f'    <skipped message={quoteattr("inconclusive: " + r.describe())}/>')
+        elif r.verdict == "missing":
+            lines.append(f'    <skipped message={quoteattr("no data: " + r.describe())}/>')
         lines.append(f"    <system-out>{escape(r.describe())}</system-out>")
         lines.append("  </testcase>")
     lines.append("</testsuite>")
@@ -324,7 +393,8 @@ def junit_error(message: str, suite: str = "kvbench-gate") -> str:
         "  </testcase>", "</testsuite>"]) + "\n"
 
 
-_ICON = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE"}
+_ICON = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE",
+         "missing": "NO DATA (allowed)"}
 
 
 def markdown(results: list[RuleResult], baseline_label: str, current_label: str,
@@ -332,10 +402,15 @@ def markdown(results: list[RuleResult], baseline_label: str, current_label: str,
     verdict = overall(results)
     out = [f"### kvbench gate: **{_ICON[verdict]}**", "",
            f"Baseline `{baseline_label}`, current `{current_label}`; "
-           f"{confidence:.0%} bootstrap intervals of current / baseline.", "",
+           f"{confidence:.0%} bootstrap intervals of current / baseline."
+           + (f" **{missing_note(results)}.**" if missing_note(results) else ""), "",
            "| verdict | metric | endpoint | class | baseline | current | change | interval | limit |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r.verdict == "missing":
+            out.append(f"| {_ICON[r.verdict]} | {r.metric} | {_md(r.endpoint)} | "
+                       f"{_md(r.request_class)} | | | | | {_md(r.note)} |")
+            continue
         if r.kind == "relative":
             change = f"{(r.current / r.baseline - 1) * 100:+.1f}%" if r.baseline else "n/a"
             interval = f"[{r.low:.3f}, {r.high:.3f}]"

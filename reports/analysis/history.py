@@ -3,7 +3,9 @@
 ``<results_dir>/history/suite=<suite>/date=<YYYY-MM-DD>/<run_id>.parquet`` holds one row per
 (endpoint, request class, metric) of a run, with the run's gate verdict once it was gated.
 Rewriting a run's file (e.g. after ``kvbench gate``) replaces its rows. ``last-pass`` is the
-newest run of a suite whose verdict is ``pass``.
+newest run of a suite whose verdict is ``pass`` or ``accepted``: a run a person accepted as a
+baseline (``kvbench history --accept RUN``), which is how a nightly's first baseline is seeded
+(an A/A gate of two good runs may well be ``inconclusive``, which never counts as a pass).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ HISTORY = pa.schema([
     ("request_class", pa.string()),
     ("metric", pa.string()),
     ("value", pa.float64()),
-    ("verdict", pa.string()),  # pass | fail | inconclusive | null (not gated)
+    # pass | fail | inconclusive | missing | accepted (by hand) | null (not gated)
+    ("verdict", pa.string()),
 ])
+
+BASELINE_VERDICTS = ("pass", "accepted")  # what last-pass takes
 
 KEY_METRICS = ("throughput_rps", "goodput_rps", "ttft_p50", "ttft_p99", "tpot_p50", "itl_p99",
                "e2e_p99", "error_rate", "hit_ratio")
@@ -93,13 +98,15 @@ def _read_one(path: Path) -> pa.Table:
 
 def last_pass(results_dir: Path | str, suite: str | None = None,
               exclude_run: str | None = None) -> Path:
-    """The results directory of the newest passing run (of ``suite`` when given)."""
+    """The results directory of the newest passing or accepted run (of ``suite`` when
+    given)."""
     h = read_history(results_dir, suite)
-    h = h[(h["verdict"] == "pass") & (h["run_id"] != (exclude_run or ""))]
+    h = h[h["verdict"].isin(BASELINE_VERDICTS) & (h["run_id"] != (exclude_run or ""))]
     if h.empty:
         where = f" of suite {suite!r}" if suite else ""
-        raise DataError(f"no passing run{where} in {history_dir(results_dir)}; gate a run "
-                        "first or give --baseline a results directory")
+        raise DataError(f"no passing or accepted run{where} in {history_dir(results_dir)}; "
+                        "accept a good run as the first baseline (kvbench history --accept "
+                        "RUN) or give --baseline a results directory")
     row = h.sort_values("started_ns").iloc[-1]
     path = Path(row["run_path"])
     if not (path / "run.json").exists():

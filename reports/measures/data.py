@@ -14,12 +14,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvbench.core import checks
 from kvbench.core.contract import SLO, EndpointEntry, StageEntry, slo_map
 from kvbench.core.errors import DataError
 from kvbench.core.store import RunMeta, align_worker_clocks, read_meta, read_table, scan
 from kvbench.reports.measures.frame import FRAME_COLUMNS, GapStore, concat, request_frame
 
 BATCH_ROWS = 65_536  # requests per streamed batch when deriving ITL gaps
+# the scalar columns read: the frame's, and the request id the record checks need
+_SCALARS = (*FRAME_COLUMNS, "request_id")
+_CHUNKED = ("chunk_offsets_ns", "status", "ttft_ns")  # what the gaps and chunk checks read
 
 
 @dataclass
@@ -38,24 +42,33 @@ def _read_run(path: Path | str) -> _Run:
 
     The compacted parquet is immutable: its scalar columns are read while its chunk batches
     decode and a worker turns them into gaps (decoding and numpy release the GIL). Live shards
-    may grow while they are read, so they are read in one pass for both."""
+    may grow while they are read, so they are read in one pass for both.
+
+    Records that cannot be true are a ``DataError`` (``core.checks``): the chunk checks run on
+    each batch beside its gaps, the others on the scalar columns."""
     run_dir = Path(path)
     meta = read_meta(run_dir)
+    problems: list[checks.Problems] = []
     with ThreadPoolExecutor(max_workers=2) as pool:
-        scalar = pool.submit(read_table, run_dir, "requests", FRAME_COLUMNS, shards=False,
+        scalar = pool.submit(read_table, run_dir, "requests", _SCALARS, shards=False,
                              strict=True)
-        gaps = _stream_gaps(scan(run_dir, "requests", columns=("chunk_offsets_ns", "status"),
-                                 batch_size=BATCH_ROWS, shards=False, strict=True), pool, [])
+        gaps = _stream_gaps(scan(run_dir, "requests", columns=_CHUNKED,
+                                 batch_size=BATCH_ROWS, shards=False, strict=True), pool, [],
+                            problems)
         tables = [scalar.result()]
         live: list[pa.RecordBatch] = []
         gaps = _stream_gaps(_keep_scalars(scan(
-            run_dir, "requests", columns=(*FRAME_COLUMNS, "chunk_offsets_ns"),
-            batch_size=BATCH_ROWS, parquet=False, strict=True), live), pool, gaps)
+            run_dir, "requests", columns=(*_SCALARS, "chunk_offsets_ns"),
+            batch_size=BATCH_ROWS, parquet=False, strict=True), live), pool, gaps, problems)
     if live:
         tables.append(pa.Table.from_batches(live))
     store = GapStore.concat(gaps) if gaps else GapStore(np.zeros(0, np.float32),
                                                         np.zeros(1, np.int64))
-    requests = align_worker_clocks(pa.concat_tables(tables), meta.worker_clock_offsets_ns)
+    scalars = pa.concat_tables(tables)
+    checks.raise_problems(checks.merge([checks.scalar_problems(scalars), *problems]),
+                          checks.records_source(run_dir))
+    requests = align_worker_clocks(scalars.drop_columns(["request_id"]),
+                                   meta.worker_clock_offsets_ns)
     return _Run(run_dir, meta, requests, store,
                 read_table(run_dir, "gpu", strict=True), read_table(run_dir, "engine", strict=True))
 
@@ -64,26 +77,39 @@ _MAX_PENDING = 4  # batches of chunk lists waiting for a gap worker (bounds memo
 
 
 def _keep_scalars(batches, scalars: list):
-    """Yield each batch's (chunk_offsets_ns, status), keeping its other columns in ``scalars``."""
+    """Yield each batch's (chunk_offsets_ns, status, ttft_ns), keeping its other columns in
+    ``scalars``."""
     for batch in batches:
         scalars.append(batch.drop_columns(["chunk_offsets_ns"]))
-        yield batch.select(["chunk_offsets_ns", "status"])
+        yield batch.select(list(_CHUNKED))
 
 
-def _stream_gaps(batches, pool: ThreadPoolExecutor, done: list) -> list[GapStore]:
-    """``done`` plus the gaps of each (chunk_offsets_ns, status) batch, computed in ``pool``
-    while the next batch decodes."""
+def _stream_gaps(batches, pool: ThreadPoolExecutor, done: list,
+                 problems: list) -> list[GapStore]:
+    """``done`` plus the gaps of each (chunk_offsets_ns, status, ttft_ns) batch, computed in
+    ``pool`` while the next batch decodes; each batch's impossible chunks go to ``problems``."""
     pending: deque = deque()
+
+    def take(future) -> None:
+        store, found = future.result()
+        done.append(store)
+        problems.append(found)
+
     for batch in batches:
-        pending.append(pool.submit(_batch_gaps, batch.column(0), batch.column(1)))
+        pending.append(pool.submit(_batch_gaps, batch.column(0), batch.column(1),
+                                   batch.column(2)))
         while len(pending) > _MAX_PENDING:
-            done.append(pending.popleft().result())
-    done.extend(f.result() for f in pending)
+            take(pending.popleft())
+    for f in pending:
+        take(f)
     return done
 
 
-def _batch_gaps(offsets: pa.Array, status: pa.Array) -> GapStore:
-    return GapStore.itl(pa.record_batch([offsets, status], ["chunk_offsets_ns", "status"]))
+def _batch_gaps(offsets: pa.Array, status: pa.Array, ttft: pa.Array
+                ) -> tuple[GapStore, checks.Problems]:
+    found = checks.chunk_problems(offsets, status, ttft)
+    return (GapStore.itl(pa.record_batch([offsets, status], ["chunk_offsets_ns", "status"])),
+            found)
 
 
 @dataclass

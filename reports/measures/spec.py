@@ -60,6 +60,8 @@ class GateRule(_Strict):
     max_increase_pct: float | None = Field(default=None, ge=0, le=1e6)
     max_decrease_pct: float | None = Field(default=None, ge=0, le=100)
     max_value: float | None = None  # absolute ceiling, in the metric's own unit
+    # a rule that finds no data is not judged (said in every output) instead of an error
+    allow_missing: bool = Field(default=False, strict=True)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               allow_inf_nan=False, str_max_length=4096)
