@@ -138,17 +138,17 @@ def test_capacity_ranking_compares_endpoints_on_the_same_workload_only():
     got = [(r["workload"], r["endpoint"], r["rank"], r["apart"])
            for r in _ranked(rows, "per_gpu")]
     assert got == [("mix", "b", 1, None), ("mix", "a", 2, "yes"),
-                   ("mix", "d", 3, "no: its bracket overlaps a's"),  # d never failed
+                   ("mix", "d", 3, "no: d's bracket overlaps a's"),  # d never failed
                    ("longdoc", "a", 1, None), ("longdoc", "b", 2, "yes")]
     # a pass per GPU of 4.33 below the other's failure at 5.1: not shown apart
     close = [row("a", "mix", 3.9, 5.1, 1), row("b", "mix", 8.67, 9.9, 2)]
     assert [r["apart"] for r in _ranked(close, "per_gpu")] == [
-        None, "no: its bracket overlaps b's"]
+        None, "no: a's bracket overlaps b's"]
     # ranked on the capacity (the crossing inside the bracket), shown apart on what passed:
     # a's capacity of 5.5 lies above b's failure at 5.1, the rate a passed (5.0) does not
     near = [row("a", "mix", 5.5, 6.0, 1, passed=5.0), row("b", "mix", 4.8, 5.1, 1)]
     assert [(r["endpoint"], r["apart"]) for r in _ranked(near, "per_gpu")] == [
-        ("a", None), ("b", "no: its bracket overlaps a's")]
+        ("a", None), ("b", "no: b's bracket overlaps a's")]
 
 
 def test_gpu_legend_names_what_differs(run_dir):
