@@ -121,3 +121,30 @@ def test_bad_count_is_one_sentence(server, config, tmp_path):
     assert p.returncode == 2
     assert "--kvbench-requests -3: give a positive count" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("flag,value,word", [
+    ("--kvbench-run-id", "../escaped", "--kvbench-run-id"),
+    ("--kvbench-run-id", "history", "--kvbench-run-id"),
+    ("--kvbench-results", "s3://bucket/prefix", "--kvbench-results")])
+def test_plain_locust_refuses_a_run_id_or_results_folder_it_cannot_own(
+        server, config, tmp_path, flag, value, word):
+    """``locust -f loadgen/...`` takes its run id and results folder from the user as kvbench
+    run does: a path, a store's own folder or an object-store URL is refused in one sentence,
+    and nothing is written (no folder outside, or inside, the results folder)."""
+    args = {"--kvbench-results": str(tmp_path / "results"), "--kvbench-run-id": "r"}
+    args[flag] = value
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    p = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadgen" / "chat.py"), "--headless",
+         "--host", server, "-u", "1", "-r", "1", "-t", "20s", "--only-summary",
+         "--kvbench-config", str(config), *[x for kv in args.items() for x in kv],
+         "--kvbench-endpoint", "test"],
+        cwd=cwd, capture_output=True, text=True, timeout=110)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert word in out and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "escaped").exists()
+    assert not any((tmp_path / "results").rglob("*.parquet"))
+    assert not any(cwd.iterdir()), list(cwd.iterdir())

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import stream_server as testing
 from kvbench.cli import main
-from kvbench.config.paths import run_id_problem
+from kvbench.core.paths import run_id_problem
 from kvbench.core.errors import INCOMPLETE_EXIT
 from kvbench.core.store import load_results, shard_files
 

@@ -24,7 +24,7 @@ MAX_STRING = 4096  # characters of any text field (PATH_MAX on Linux)
 # A name of a [workloads.*], [profiles.*] or [[endpoints]] table: it is printed in reports and
 # used in paths and request ids, so plain characters only (no ":" that could read as an import
 # path, no "/" or spaces).
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+from kvbench.core.contract import NAME_PATTERN  # noqa: E402
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 
 

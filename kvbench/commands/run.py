@@ -58,7 +58,7 @@ def run(args) -> int:
 def check_places(args) -> None:
     """``--run-id`` names one plain folder of the results folder and ``--results-dir`` is a
     local path: refused before anything is read or written."""
-    from kvbench.config.paths import results_dir_problem, run_id_problem
+    from kvbench.core.paths import results_dir_problem, run_id_problem
 
     if args.run_id is not None:
         why = run_id_problem(args.run_id)

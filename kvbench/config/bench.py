@@ -38,7 +38,7 @@ class SuiteConfig(Strict):
     @field_validator("results_dir")
     @classmethod
     def _local(cls, v: str) -> str:
-        from kvbench.config.paths import results_dir_problem
+        from kvbench.core.paths import results_dir_problem
 
         why = results_dir_problem(v)
         if why:

@@ -29,6 +29,10 @@ Count = int  # a whole number >= 0
 
 E = TypeVar("E", bound="Entry")
 
+# endpoint, workload and run names: one plain folder or file name each (the config's
+# ``Name``; the load process checks a run id against it without importing pydantic)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
 
 class Entry:
     """What every class of the contract shares: ``from_dict``/``to_dict``, nested entries

@@ -114,6 +114,7 @@ def _config(o):
 def run_id(o) -> str:
     """The run id the options name, else a new one (the master's is synced to its workers)."""
     if o.kvbench_run_id:
+        check_places(o)
         return o.kvbench_run_id
     if o.kvbench_job:
         return Job.load(o.kvbench_job).run_id
@@ -129,11 +130,25 @@ def run_dir(o) -> Path:
     return Path(o.kvbench_results) / o.kvbench_run_id
 
 
+def check_places(o) -> None:
+    """``--kvbench-run-id`` names one plain folder of the results folder, and
+    ``--kvbench-results`` is a local folder, as ``kvbench run`` requires of its own."""
+    from kvbench.core.paths import results_dir_problem, run_id_problem
+
+    why = o.kvbench_run_id and run_id_problem(o.kvbench_run_id)
+    if why:
+        raise UserError(f"--kvbench-run-id: {why}")
+    why = o.kvbench_results and results_dir_problem(str(o.kvbench_results))
+    if why:
+        raise UserError(f"--kvbench-results: {why}")
+
+
 def job_from_options(o, host: str | None, default_workload: str, *,
                      lookup_model: bool = True) -> Job:
     """The job of this Locust run: the job file when given, else resolved from the options."""
     if o.kvbench_job:
         return Job.load(o.kvbench_job)
+    check_places(o)
     workload = o.kvbench_workload or default_workload
     if not workload:
         raise UserError("this locustfile runs a job: pass --kvbench-job FILE (kvbench run "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from kvbench.workloads.specs import NAME_PATTERN
+from kvbench.core.contract import NAME_PATTERN
 
 # folders of a results folder that belong to the store, not to a run, and the name
 # ``kvbench gate --baseline`` reads as "the last run that passed"
