@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -38,13 +39,35 @@ class Checked:
     engine: str  # the adapter whose tokenize call was used
 
 
+# the most a JSON answer to a preflight, cache or metadata call may hold: they are small (a
+# model list, a few tokens' completion); a server that streams without end must not fill memory
+MAX_JSON_BYTES = 1 << 20
+
+
 def http_json(url: str, payload: dict | None = None, headers: dict | None = None,
-              timeout: float = 30.0, method: str | None = None):
+              timeout: float = 30.0, method: str | None = None,
+              max_bytes: int = MAX_JSON_BYTES):
+    """One JSON call, bounded: its answer within ``timeout`` seconds in all (urllib's timeout
+    alone covers only each wait for bytes, so a server that keeps sending never times out)
+    and ``max_bytes`` at most. A breach raises ``TimeoutError`` or ``ValueError``, which the
+    callers take as any failed call."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={
         "Content-Type": "application/json", **(headers or {})})
+    deadline = time.monotonic() + timeout
+    body = bytearray()
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+        while True:
+            part = r.read1(65536)
+            if not part:
+                break
+            body += part
+            if len(body) > max_bytes:
+                raise ValueError(f"{url} answered more than {max_bytes:,} bytes; a JSON "
+                                 "answer here is a few KB (a server streaming without end?)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} was still answering after {timeout:g} s")
+    return json.loads(bytes(body))
 
 
 def refused(ep, url: str, what: str, exc: urllib.error.HTTPError) -> UserError:
