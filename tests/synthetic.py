@@ -128,8 +128,9 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
         "workload": pa.array(np.full(n, shape.workload, dtype=object), pa.string()),
         "request_class": pa.array(classes, pa.string()),
         "stage": pa.array(np.full(n, si, np.int32)),
-        "request_id": pa.array(np.char.add(f"{ep.name}-{si}-", np.arange(n).astype(str)),
-                                pa.string()),
+        # one id per request of a run (two shapes of one run differ by their workload)
+        "request_id": pa.array(np.char.add(f"{ep.name}-{shape.workload}-{si}-",
+                                           np.arange(n).astype(str)), pa.string()),
         "session_id": pa.array(session, pa.string()),
         "turn": pa.array(turn),
         "worker": pa.array(np.full(n, "host:1", dtype=object), pa.string()),
