@@ -130,9 +130,7 @@ class Planner:
             if level < 1 or (up is not None and level <= up):
                 return None
             return Probe(index, None, self.hold_duration(), "hold", users=level)
-        if up is None and down is None:
-            pass
-        elif (up is None and level > s.max_rps) or level < s.min_rps:
+        if not s.min_rps <= level <= s.max_rps:
             return None
         level = float(f"{level:.4g}")
         return Probe(index, level, self.hold_duration(), "hold")
