@@ -419,3 +419,32 @@ def test_the_jobs_search_settings_are_the_configs():
 
     ours = {f.name: f.default for f in fields(SearchSpec) if f.name != "extra"}
     assert ours == ConfigSpec().model_dump()
+
+
+def test_a_failure_settled_on_its_estimate_is_shown_before_the_search_ends():
+    """The capacity on a ramp level: the ramp's probe above it voided (it started on the
+    guess that the level passed), the level straddles and is settled failed on its estimate,
+    then the bisection below passes. No failure above the capacity was shown, so the search
+    probes the failed level times ``growth`` before it ends: its interval gets an upper end
+    it showed (tests/test_search_aa.py once got none on a busy host)."""
+    spec = SearchSpec.from_dict(dict(SPEC, start_rps=3.0, growth=2.0, precision=0.5,
+                                     confirm=False))
+    p = Planner(spec)
+    settled = []
+    for level, role, v in ((3.0, "ramp", "pass"), (6.0, "ramp", "straddle"),
+                           (6.0, "refine", "straddle")):
+        probe = p.next()
+        assert (probe.rate_rps, probe.role) == (level, role)
+        settled.append(p.settle(probe, v, "", None)[2])
+    assert settled[-1] and p.verdict_at(6.0) == "fail"  # counted failed on its estimate
+    probe = p.next()
+    assert probe.rate_rps == 4.243 and probe.role == "bisect"
+    p.settle(probe, "pass", "", None)
+    show = p.next()
+    assert (show.rate_rps, show.role) == (12.0, "ramp")  # the upper end, shown
+    p.settle(show, "fail", "", None)
+    assert p.next() is None and p.bracket() == (4.243, 6.0)
+    # a shown failure above the capacity: nothing more to show
+    q = Planner(spec, [(Probe(0, 3.0, 10.0), "pass"), (Probe(1, 6.0, 10.0), "fail"),
+                       (Probe(2, 4.243, 10.0, "bisect"), "pass")])
+    assert q.next() is None

@@ -220,7 +220,8 @@ class Search:
         never starts on a guess (it goes where the bracket's verdicts put it)."""
         planner = self.planner
         if after is not None:
-            planner = Planner(self.spec, list(self.planner.history), self.planner.residence_s)
+            planner = Planner(self.spec, list(self.planner.history), self.planner.residence_s,
+                              estimated=set(self.planner.estimated))
             planner.record(after.probe, "pass")
         planner.hold_at = self.hold_at(planner)
         probe = planner.next()

@@ -38,6 +38,8 @@ class Planner:
     # where the attainment crosses the target inside the bracket (the driver sets it from
     # the probes' pooled attainment): the first hold's level; None: the highest pass
     hold_at: float | None = None
+    # levels whose last verdict was settled on the pooled estimate (not shown at the confidence)
+    estimated: set = field(default_factory=set)
 
     @property
     def closed(self) -> bool:
@@ -159,6 +161,9 @@ class Planner:
                 return None
         else:
             if hi / lo - 1 <= s.precision:
+                show = self._show_failure(index, lo, hi)
+                if show is not None:
+                    return show
                 if s.hold_s:
                     return self._hold(index, lo)
                 if s.confirm and self.tries(lo) < 2:
@@ -188,6 +193,9 @@ class Planner:
                 return None
             return self._probe(index, max(1, min(hi - 1, round(hi / s.growth))), "ramp")
         if hi - lo <= 1 or hi / lo - 1 <= s.precision:
+            show = self._show_failure(index, lo, hi)
+            if show is not None:
+                return show
             if s.hold_s:
                 return self._hold(index, lo)
             if s.confirm and self.tries(lo) < 2:
@@ -196,7 +204,29 @@ class Planner:
         n = min(hi - 1, max(lo + 1, round(math.sqrt(lo * hi))))
         return self._probe(index, n, "bisect")
 
+    def _show_failure(self, index: int, lo: float, hi: float) -> Probe | None:
+        """Once the bracket is narrow: where no failure above ``lo`` was shown (every one
+        settled on its estimate, or the ramp's failure was a speculative probe voided), one
+        probe at ``hi`` times ``growth``, so the interval the search claims has an upper end
+        it showed. Without it a capacity sitting on a ramp level had no shown upper end
+        whenever the ramp's next probe was voided (tests/test_search_aa.py on a busy host:
+        ``high_rps`` None on a bracketed search). A pass there reopens the ramp."""
+        s = self.spec
+        for p, v in self.history:
+            if p.level > lo and v == "fail" and p.level not in self.estimated:
+                return None
+        if self.closed:
+            level = min(s.max_users, max(int(hi) + 1, round(hi * s.growth)))
+            if level <= hi or self.tries(level):
+                return None
+            return self._probe(index, level, "ramp")
+        level = float(f"{hi * s.growth:.4g}")
+        if level > s.max_rps or self.tries(level):
+            return None
+        return Probe(index, level, self.duration(level), "ramp")
+
     def record(self, probe: Probe, verdict: str) -> None:
+        self.estimated.discard(probe.level)
         self.history.append((probe, verdict))
 
     def settle(self, probe: Probe, verdict: str, why: str, detail) -> tuple[str, str, bool]:
@@ -231,4 +261,5 @@ class Planner:
             why += (f"; still straddling after {tried}: its estimate {est:.3f} meets the "
                     f"target, not shown at {self.spec.confidence:.0%} confidence")
         self.history[-1] = (probe, verdict)
+        self.estimated.add(probe.level)
         return verdict, why, True
