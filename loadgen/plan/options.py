@@ -188,7 +188,10 @@ def run_id(o) -> str:
         return o.kvbench_run_id
     if o.kvbench_job:
         return Job.load(o.kvbench_job).run_id
-    cfg = _config(o)
+    try:
+        cfg = _config(o)
+    except UserError:
+        cfg = None  # the load context reports it in one sentence, before any load
     return new_run_id(cfg.suite.name if cfg is not None else "locust")
 
 
