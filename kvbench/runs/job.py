@@ -219,8 +219,25 @@ def first_model(url: str) -> str:
             data = json.loads(r.read())
         return data["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001 - any failure means: tell the user
-        raise UserError(f"{url}/v1/models did not name a model ({exc}); pass "
-                        "--kvbench-model") from None
+        raise UserError(unreachable(url, exc) or f"{url}/v1/models did not name a model "
+                        f"({exc}); pass --kvbench-model") from None
+
+
+def unreachable(url: str, exc: BaseException) -> str | None:
+    """The sentence for a target nobody answers at (refused, or a name that does not resolve),
+    or None: the fix is the server or --host, never the model."""
+    import socket
+
+    why = getattr(exc, "reason", exc)  # urllib wraps the socket's error
+    where = urlsplit(url)
+    port = where.port or (443 if where.scheme == "https" else 80)
+    if isinstance(why, ConnectionRefusedError) or "ConnectionRefusedError" in str(why):
+        return (f"connection refused at {where.hostname}:{port}: is the server running? start "
+                f"it, or fix --host ({redact.redact_url(url)})")
+    if isinstance(why, socket.gaierror) or str(why).startswith("gaierror"):
+        return (f"the host name {where.hostname!r} of {redact.redact_url(url)} does not resolve: "
+                "fix --host")
+    return None
 
 
 def workload_specs(cfg, name: str) -> dict:

@@ -5,6 +5,7 @@ else ``kvbench.runs.job.resolve`` over ``--kvbench-config`` and the other option
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from locust import events
@@ -16,6 +17,13 @@ from kvbench.core.contract import StagePlan
 from kvbench.runs.job import FOREVER_S, Job, resolve
 
 
+STOP_AFTER_FAILURES = 20  # --kvbench-stop-after-failures's default
+HERE_CONFIG = "bench.toml"  # read from the current directory when --kvbench-config is not given
+NO_CONFIG = "none"  # --kvbench-config none: the locustfile's defaults even beside a bench.toml
+
+log = logging.getLogger("kvbench.loadgen")
+
+
 @events.init_command_line_parser.add_listener
 def add_arguments(parser) -> None:
     g = parser  # (argument groups lose Locust's web-UI options)
@@ -23,7 +31,8 @@ def add_arguments(parser) -> None:
                    help="a resolved job file (written by kvbench run); the options below are "
                         "then ignored")
     g.add_argument("--kvbench-config", env_var="KVBENCH_CONFIG", default="",
-                   help="bench.toml to take the workload, endpoint and profile from")
+                   help="bench.toml to take the workload, endpoint, SLOs and profile from "
+                        "(default: ./bench.toml when there is one; 'none': no config)")
     g.add_argument("--kvbench-workload", env_var="KVBENCH_WORKLOAD", default="",
                    help="[workloads.<name>] of the config, or module:factory; default: the "
                         "locustfile's own")
@@ -62,6 +71,11 @@ def add_arguments(parser) -> None:
                    help="a new connection per request (its setup recorded in connect_ns)")
     g.add_argument("--kvbench-ignore-eos", env_var="KVBENCH_IGNORE_EOS", action="store_true",
                    default=False, help="send ignore_eos (vLLM/SGLang) to get max_tokens exactly")
+    g.add_argument("--kvbench-stop-after-failures", env_var="KVBENCH_STOP_AFTER_FAILURES",
+                   type=int, default=STOP_AFTER_FAILURES,
+                   help="stop the run after this many requests in a row failed in a way load "
+                        "cannot cause (HTTP 404, 401, 403, connection refused, unknown host); "
+                        "never on 429, 503 or timeouts; 0: never stop")
     g.add_argument("--kvbench-stage-index", env_var="KVBENCH_STAGE_INDEX", type=int, default=0,
                    help="stage index recorded for a closed-loop run", include_in_web_ui=False)
     g.add_argument("--kvbench-no-finalize", env_var="KVBENCH_NO_FINALIZE", action="store_true",
@@ -103,12 +117,68 @@ def _count(n: int) -> int | None:
     return n or None
 
 
+def config_path(o) -> str:
+    """The bench.toml this run reads: ``--kvbench-config``, else ``./bench.toml`` when the
+    current directory has one (as ``kvbench run`` does), else none ("")."""
+    given = o.kvbench_config
+    if given:
+        return "" if given == NO_CONFIG else given
+    return HERE_CONFIG if Path(HERE_CONFIG).is_file() else ""
+
+
+_SAID: set[str] = set()
+
+
+def _say_config(o, path: str) -> None:
+    """One line, once a process: which config this plain locust run uses."""
+    if path in _SAID:
+        return
+    _SAID.add(path)
+    if not path:
+        log.info("kvbench: no config (no ./bench.toml, no --kvbench-config): the locustfile's "
+                 "workload defaults and built-in SLOs")
+    elif o.kvbench_config:
+        log.info("kvbench: config %s (--kvbench-config)", path)
+    else:
+        log.info("kvbench: config %s (found in the current directory; --kvbench-config none "
+                 "to ignore it)", Path(path).resolve())
+
+
 def _config(o):
-    if not o.kvbench_config:
+    path = config_path(o)
+    _say_config(o, path)
+    if not path:
         return None
     from kvbench.config import load_config
 
-    return load_config(o.kvbench_config)
+    return load_config(path)
+
+
+def _endpoint_for(cfg, host: str | None) -> str | None:
+    """The [[endpoints]] entry of ``cfg`` whose url is ``host`` (its model, topology, API key
+    and headers then apply), or None."""
+    if cfg is None or not host:
+        return None
+    want = host.rstrip("/")
+    for ep in cfg.endpoints:
+        url = getattr(ep, "url", None)
+        if url and url.rstrip("/") == want:
+            return ep.name
+    return None
+
+
+def _with_kind_default(cfg, host: str | None, workload: str):
+    """``cfg`` with the locustfile's own workload (its kind's defaults) added when the config
+    has no [workloads.<name>] of that name: its SLOs, tokenizer and seed still apply."""
+    if cfg is None or ":" in workload or workload in cfg.workloads:
+        return cfg
+    from kvbench.runs.job import default_config
+
+    try:
+        dflt = default_config(host, workload)
+    except UserError:
+        return cfg  # resolve names the problem
+    return cfg.model_copy(update={"workloads": {**dflt.workloads, **cfg.workloads}})
 
 
 def run_id(o) -> str:
@@ -118,7 +188,10 @@ def run_id(o) -> str:
         return o.kvbench_run_id
     if o.kvbench_job:
         return Job.load(o.kvbench_job).run_id
-    cfg = _config(o)
+    try:
+        cfg = _config(o)
+    except UserError:
+        cfg = None  # the load context reports it in one sentence, before any load
     return new_run_id(cfg.suite.name if cfg is not None else "locust")
 
 
@@ -153,15 +226,24 @@ def job_from_options(o, host: str | None, default_workload: str, *,
     if not workload:
         raise UserError("this locustfile runs a job: pass --kvbench-job FILE (kvbench run "
                         "writes one) or --kvbench-workload NAME")
+    cfg = _config(o)
+    implicit = cfg is not None and not o.kvbench_config
+    if not o.kvbench_workload:
+        cfg = _with_kind_default(cfg, host, workload)
+    profile = o.kvbench_profile or None
+    if implicit and profile is None:
+        # a bench.toml found beside the run lends its SLOs, endpoints and workloads; the load's
+        # shape stays Locust's (-u, -t) unless --kvbench-profile names one of its profiles
+        cfg = cfg.model_copy(update={"suite": cfg.suite.model_copy(update={"profile": None})})
     return resolve(
-        _config(o), workload=workload,
-        endpoint=o.kvbench_endpoint or None, url=host, topology=o.kvbench_topology or None,
+        cfg, workload=workload,
+        endpoint=o.kvbench_endpoint or _endpoint_for(cfg, host), url=host, topology=o.kvbench_topology or None,
         model=o.kvbench_model or None, api_key_env=o.kvbench_api_key_env or None,
-        profile=o.kvbench_profile or None, pacing=o.kvbench_pacing or None,
+        profile=profile, pacing=o.kvbench_pacing or None,
         stages=_stages(o), stage_index=o.kvbench_stage_index,
         gamma_cv=o.kvbench_gamma_cv or None, max_in_flight=o.kvbench_max_in_flight or None,
         timeout_s=o.kvbench_timeout or None, cold_connections=o.kvbench_cold_connections,
         ignore_eos=o.kvbench_ignore_eos, run_id=o.kvbench_run_id,
         max_requests=_count(o.kvbench_requests),
         results_dir=o.kvbench_results, lookup_model=lookup_model,
-        where=o.kvbench_config or "the config")
+        where=config_path(o) or "the config")

@@ -28,7 +28,8 @@ from kvbench.loadgen.timing.client import ConnectionPool, Result, StreamingClien
 from kvbench.loadgen.timing.looplag import LoopLag
 from kvbench.loadgen.wiring.prefetch import Prefetch
 from kvbench.loadgen.timing.openai import request_body, request_path
-from kvbench.loadgen.plan.options import job_from_options
+from kvbench.loadgen.plan.options import STOP_AFTER_FAILURES, job_from_options
+from kvbench.loadgen.wiring import unservable
 from kvbench.loadgen.plan.pacing import (ClosedLoopStages, ClosedUser, OpenLoopDispatcher,
                                     StagePlan, cycle_requests, shard, shard_sessions, share_of)
 from kvbench.loadgen.timing.sink import COLUMNS, RecordSink
@@ -113,6 +114,9 @@ class LoadContext:
         self.stages = [replace(s, requests=share_of(s.requests, self.index, self.count))
                        for s in self.stages]
         self.max_requests = share_of(job.max_requests, self.index, self.count)
+        # failures load cannot cause, in a row: past the limit the run stops (unservable)
+        self.failures = unservable.FailureRun(getattr(o, "kvbench_stop_after_failures",
+                                                      STOP_AFTER_FAILURES))
         self._sessions = None  # built ahead in idle time: see next_session
         self._warm_pool: ConnectionPool | None = None  # closed loop: see prewarm
         self.dispatcher: OpenLoopDispatcher | None = None
@@ -225,6 +229,10 @@ class LoadContext:
             if res.status == "cancelled":  # a stop cut it: the end of a stage, or a signal
                 res.error = CANCELLED_AT_STOP
             self.record(req, res, t_scheduled_ns, stage)
+        if self.failures.observe(res):  # the records stay; nothing new starts
+            self.stop_starting()
+            fail(self.environment, UserError(unservable.sentence(
+                self, res, request_path(req), self.failures.count)))
         # Back to the loop before the rest (Locust's events, the caller's next request): answers
         # that end together (a closed loop's users start together, so their answers stay in
         # step) otherwise ran all their bookkeeping in one pass of the loop, every other
@@ -252,25 +260,27 @@ class LoadContext:
             res.server_region, res.retry_after_s, res.server_request_id))
 
     def report(self, req, res: Result) -> None:
-        """Locust's live stats: one event per metric per request (never per token)."""
-        fire = self.environment.events.request.fire
+        """Locust's live stats: ONE request event per LLM request (``e2e <class>``, its
+        response time the E2E), so Locust's totals, RPS and failures count requests; TTFT and
+        TPOT go to their own rows of Locust's table (``ttft <class>``, ``tpot <class>``)
+        without an event, outside Locust's "Aggregated" total (and in the event's context)."""
         cls = req.request_class
         n = res.completion_tokens or 0
-        if res.status != "ok":
-            fire(request_type="LLM", name=f"e2e {cls}", response_time=(res.e2e_ns or 0) / 1e6,
-                 response_length=n,
-                 exception=RuntimeError(redact.redact(f"{res.status}: {res.error}")),
-                 context={})
+        ttft_ms = res.ttft_ns / 1e6 if res.ttft_ns is not None else None
+        tpot_ms = ((res.e2e_ns - res.ttft_ns) / (n - 1) / 1e6
+                   if res.status == "ok" and n > 1 and res.ttft_ns is not None else None)
+        exc = None if res.status == "ok" else RuntimeError(
+            redact.redact(f"{res.status}: {res.error}"))
+        self.environment.events.request.fire(
+            request_type="LLM", name=f"e2e {cls}", response_time=(res.e2e_ns or 0) / 1e6,
+            response_length=n, exception=exc, context={"ttft_ms": ttft_ms, "tpot_ms": tpot_ms})
+        stats = getattr(self.environment, "stats", None)
+        if stats is None or exc is not None:
             return
-        fire(request_type="LLM", name=f"e2e {cls}", response_time=res.e2e_ns / 1e6,
-             response_length=n, exception=None, context={})
-        if res.ttft_ns is not None:
-            fire(request_type="LLM", name=f"ttft {cls}", response_time=res.ttft_ns / 1e6,
-                 response_length=0, exception=None, context={})
-        if n > 1 and res.ttft_ns is not None:
-            fire(request_type="LLM", name=f"tpot {cls}",
-                 response_time=(res.e2e_ns - res.ttft_ns) / (n - 1) / 1e6,
-                 response_length=0, exception=None, context={})
+        if ttft_ms is not None:
+            stats.get(f"ttft {cls}", "LLM").log(ttft_ms, 0)
+        if tpot_ms is not None:
+            stats.get(f"tpot {cls}", "LLM").log(tpot_ms, 0)
 
     # -- open loop (and a closed-loop capacity search, whose users the feed sets)
     def run_dispatcher(self) -> None:

@@ -232,6 +232,8 @@ def _quit(environment) -> None:
         ctx.close(why)
     if not has_kvbench_options(o) or isinstance(runner, WorkerRunner) or not o.kvbench_run_id:
         return
+    if ctx is None and not master and getattr(environment, "kvbench_error", None) is not None:
+        return  # its job failed before any load (the error said why): no run directory
     expected = max(1, o.kvbench_workers or 1) if master else 1
     if master:  # its workers close their records (draining first) before it may go
         from kvbench.runs.finalize import wait_for_sidecars
