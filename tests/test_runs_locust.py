@@ -42,3 +42,30 @@ def test_locust_command_follows_the_job(tmp_path):
                    stages=[StagePlan(0, 2, 5.0), StagePlan(1, 3, 9.0)], timeout_s=10, run_id="r")
     cmd, limit = locust.command(open_job, tmp_path / "j.json", processes=1)
     assert cmd[cmd.index("-t") + 1] == "15s" and limit == 15 + locust.GRACE_S
+
+
+def test_kvbench_locustfile_options_lists_every_option_locust_gets():
+    """``locust -f ... --help`` prints before the locustfile is imported (Locust's order), so
+    ``kvbench locustfile --options`` lists the ``--kvbench-*`` options: every one the
+    locustfiles' listeners register with Locust's own parser, with its environment variable."""
+    import argparse
+
+    from locust import argument_parser
+
+    import kvbench.loadgen.fleet.distributed  # noqa: F401 - their listeners, as a locustfile
+    import kvbench.loadgen.plan.options  # noqa: F401
+
+    parser = argument_parser.get_parser()
+    ours = {a.option_strings[0]: a for a in parser._actions
+            if a.option_strings and a.option_strings[0].startswith("--kvbench-")
+            and a.help != argparse.SUPPRESS}
+    assert "--kvbench-model" in ours and "--kvbench-stop-after-failures" in ours
+    p = subprocess.run([sys.executable, "-m", "kvbench", "locustfile", "--options"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    for name, action in ours.items():
+        assert name in p.stdout, name
+        env = getattr(action, "env_var", None)
+        if env:
+            assert f"[env var: {env}]" in text, (name, env)
