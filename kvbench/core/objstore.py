@@ -62,9 +62,6 @@ class Location:
     def url(self, *parts: str) -> str:
         return f"{SCHEME}://{self.key(*parts)}"
 
-    def child(self, name: str) -> "Location":
-        return replace(self, prefix="/".join(p for p in (self.prefix, name) if p))
-
     def host(self) -> str:
         """A file-name-safe name of the store: its endpoint's host and port, or ``aws``."""
         if not self.endpoint_url:
@@ -186,10 +183,6 @@ def filesystem(loc: Location):
                 kw["force_virtual_addressing"] = True
             _fs[k] = pafs.S3FileSystem(**kw)
         return _fs[k]
-
-
-def where(loc: Location) -> str:
-    return loc.url() + (f" at {loc.endpoint_url}" if loc.endpoint_url else "")
 
 
 def bucket_problem(loc: Location) -> str | None:

@@ -136,7 +136,7 @@ class MatrixRun:
             raise UserError(f"{field}: {exc}") from None
         why = objstore.bucket_problem(loc)
         if why:
-            raise UserError(f"{field} {loc.url()}: {why} ([storage] in {self.opts.config} "
+            raise UserError(f"{field} {target.strip()[:200]}: {why} ([storage] in {self.opts.config} "
                             "sets endpoint_url, region and path_style)")
         return loc
 
