@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyarrow import fs as pafs
 
 from kvbench.core import objstore
@@ -241,6 +243,8 @@ def test_sigkill_mid_run_then_recover_uploads_the_spool(tmp_path, s3, env):
     time.sleep(3)
     objs = _objects(s3, f"{bucket}/p/k")
     assert objs and objstore.MARKER not in objs and "run.json" not in objs
+    # a shard its load process never closed stays in the spool: nothing half-written goes up
+    assert not [k for k in objs if k.endswith(".rows")], sorted(objs)
     p = kvbench(env, "report", f"s3://{bucket}/p/k?endpoint_url={s3}", "-o",
                 str(tmp_path / "r.html"))  # the next read uploads the spool first
     assert p.returncode == 0, p.stderr[-3000:]
@@ -267,3 +271,29 @@ def test_kvbench_recover_uploads_a_spool(tmp_path, s3, env):
     assert objstore.complete(loc, "r") is not None and not spool.exists()
     got = load_results(objstore.fetch_run(loc, "r", tmp_path / "copy"))
     assert got.requests.num_rows == load_results(tmp_path / "local" / "r").requests.num_rows
+
+
+@given(st.text(max_size=120))
+@settings(max_examples=300, deadline=None)
+def test_any_results_dir_text_is_accepted_whole_or_refused_in_words(text):
+    """The URL parser: a ValueError with a reason, or a location that round-trips; a key
+    never passes as an option."""
+    from kvbench.core.paths import results_dir_problem
+
+    url = "s3://" + text
+    why = results_dir_problem(url, remote_ok=True)
+    try:
+        loc = objstore.parse(url, env={})
+    except ValueError as exc:
+        assert why and str(exc) and "\n" not in str(exc)
+        return
+    assert why is None
+    assert objstore.parse(loc.url(), env={}).key() == loc.key()
+    assert "@" not in loc.bucket and ".." not in loc.prefix.split("/")
+
+
+@pytest.mark.parametrize("opt", ["aws_secret_access_key=x", "access_key=y", "token=z",
+                                 "endpoint=http://h"])
+def test_credentials_and_unknown_options_are_refused(opt):
+    with pytest.raises(ValueError, match="unknown option"):
+        objstore.parse(f"s3://bucket/p?{opt}", env={})

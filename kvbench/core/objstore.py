@@ -101,6 +101,9 @@ def parse(url: str, storage=None, env=None) -> Location:
     if "@" in u.netloc:
         raise ValueError("the URL holds credentials (user:key@); remove them: they come from "
                          "the AWS environment variables or profile")
+    if u.fragment or text.endswith("#"):
+        raise ValueError("the URL holds a '#'; object keys written by kvbench have none, "
+                         "remove it")
     bucket = u.netloc
     if not _BUCKET.match(bucket) or ".." in bucket:
         raise ValueError(f"{bucket[:70]!r} is not a bucket name (3 to 63 lower-case letters, "
