@@ -297,3 +297,31 @@ def test_any_results_dir_text_is_accepted_whole_or_refused_in_words(text):
 def test_credentials_and_unknown_options_are_refused(opt):
     with pytest.raises(ValueError, match="unknown option"):
         objstore.parse(f"s3://bucket/p?{opt}", env={})
+
+
+def test_uploader_sends_closed_shards_while_the_run_goes_on(tmp_path, s3, env):
+    """A shard goes up once its load process's sidecar says closed; one still written stays
+    in the spool until the end; the marker comes with the final upload only."""
+    bucket = _bucket(s3, "kvb-uploader")
+    loc = objstore.parse(f"s3://{bucket}/u", {"endpoint_url": s3})
+    run = tmp_path / "spool" / "r"
+    run.mkdir(parents=True)
+    (run / "requests-hostA-11.rows").write_bytes(b"closed shard")
+    (run / "proc-hostA-11.json").write_text(json.dumps({"closed_ns": 5}))
+    (run / "requests-hostA-12.rows").write_bytes(b"open shard")
+    (run / "proc-hostA-12.json").write_text(json.dumps({"closed_ns": None}))
+    (run / "runner.json").write_text("{}")
+    up = objstore.Uploader(run, loc, "r")
+    assert up.step() == 3
+    assert set(_objects(s3, f"{bucket}/u/r")) == {
+        "requests-hostA-11.rows", "proc-hostA-11.json", "proc-hostA-12.json"}
+    assert up.step() == 0  # nothing changed: nothing sent again
+    (run / "requests-hostA-12.rows").write_bytes(b"open shard, now whole")
+    (run / "requests-hostA-11.rows").unlink()  # folded into Parquet at the end
+    (run / "requests.parquet").write_bytes(b"PAR1")
+    up.finish()
+    objs = _objects(s3, f"{bucket}/u/r")
+    assert set(objs) == {"proc-hostA-11.json", "proc-hostA-12.json", "requests-hostA-12.rows",
+                         "requests.parquet", objstore.MARKER}
+    assert objs["requests-hostA-12.rows"] == b"open shard, now whole"
+    assert objstore.read_latest(loc) == "r"

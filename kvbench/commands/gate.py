@@ -116,7 +116,7 @@ def _run(args) -> int:
     store = None
     if objstore.is_url(results_dir):  # a store: its history is kept in its cache folder
         try:
-            store = objstore.parse(str(results_dir))
+            store = objstore.parse(str(results_dir), cfg.storage if args.config else None)
         except ValueError as exc:
             raise UserError(f"--results-dir {exc}") from None
         results_dir = objstore.cache_root(store)
