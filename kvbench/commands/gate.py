@@ -1,10 +1,17 @@
-"""kvbench gate: compare a run with a baseline under bench.toml's rules; exit code for CI."""
+"""kvbench gate: compare a run with a baseline under bench.toml's rules; exit code for CI.
+
+Runs on object storage (``s3://BUCKET/PREFIX/RUN_ID``, for --current, --baseline, or a run id
+under an s3:// --results-dir) are read from local copies (``commands.recover.local_run``); the
+verdict, gate.json, is uploaded beside an s3:// current run. The gate's history of an s3://
+store is kept in its local cache folder, so ``last-pass`` there knows the gates this machine
+ran (the store itself keeps no history yet)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from kvbench.core import objstore
 from kvbench.core.errors import DataError, UserError
 
 EXIT_DATA = 3
@@ -34,11 +41,17 @@ def add_parser(p) -> None:
                    help="do not record the verdict in the results history")
 
 
-def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: Path) -> Path:
+def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: Path,
+                      store=None) -> Path:
+    from kvbench.commands.recover import local_run
     from kvbench.reports.analysis.history import last_pass
 
     if spec == "last-pass":
         return last_pass(results_dir, suite, exclude_run=current.name)
+    if objstore.is_url(spec):
+        return local_run(spec)
+    if store is not None and not Path(spec).is_dir():  # a run id on the store
+        return local_run(store.url(spec))
     from kvbench.commands.recover import ensure_recovered
 
     for path in (Path(spec), results_dir / spec):
@@ -78,15 +91,15 @@ def _run(args) -> int:
     from kvbench.config import GateConfig, load_config, one_sentence
     from kvbench.core.store import load_results
     from kvbench.reports.analysis import gate
-    from kvbench.commands.recover import ensure_recovered
+    from kvbench.commands.recover import ensure_recovered, local_run
 
-    current_path = Path(args.current)
+    current_path = local_run(args.current)  # s3://: a local copy
     ensure_recovered(current_path)  # a killed run: its run.json rebuilt first
     current = load_results(current_path)
     if args.config:
         cfg = load_config(args.config)
         gate_cfg, slo = cfg.gate, {k: v.model_dump() for k, v in cfg.slo.items()}
-        results_dir = Path(args.results_dir or cfg.suite.results_dir)
+        results_dir = args.results_dir or cfg.suite.results_dir
     else:
         resolved = current.meta.config
         try:
@@ -99,9 +112,17 @@ def _run(args) -> int:
             raise DataError(f"{current_path / 'run.json'}: its config has no [gate] rules; "
                             "pass --config bench.toml with [gate] rules")
         slo = resolved.get("slo") or {}
-        results_dir = Path(args.results_dir) if args.results_dir else current_path.parent
+        results_dir = args.results_dir or current_path.parent
+    store = None
+    if objstore.is_url(results_dir):  # a store: its history is kept in its cache folder
+        try:
+            store = objstore.parse(str(results_dir), cfg.storage if args.config else None)
+        except ValueError as exc:
+            raise UserError(f"--results-dir {exc}") from None
+        results_dir = objstore.cache_root(store)
+    results_dir = Path(results_dir)
     suite = current.meta.suite
-    base_path = _resolve_baseline(args.baseline, results_dir, suite, current_path)
+    base_path = _resolve_baseline(args.baseline, results_dir, suite, current_path, store)
     baseline = load_results(base_path)
     results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed,
                             allow_missing=args.allow_missing)
@@ -125,10 +146,26 @@ def _run(args) -> int:
         Path(args.json).write_text(json.dumps(verdict_doc, indent=2, default=str))
     # Beside the run, so its report can show the gate section.
     (current_path / "gate.json").write_text(json.dumps(verdict_doc, indent=2, default=str))
+    if objstore.is_url(args.current):
+        _upload_verdict(args.current, current_path / "gate.json")
     if not args.no_history:
         history.record_run(results_dir, current.meta, current_path,
                            _history_rows(current, slo), verdict)
     return gate.exit_code(verdict, args.strict)
+
+
+def _upload_verdict(url: str, path: Path) -> None:
+    """gate.json beside the run on the store too, so its report shows the gate anywhere."""
+    import sys
+
+    loc, run_id = objstore.split_run(url)
+    if run_id == objstore.LATEST:
+        run_id = path.parent.name
+    try:
+        objstore.put_file(loc, path, run_id, path.name)
+    except OSError as exc:
+        print(f"kvbench gate: could not upload {path.name} to {loc.url(run_id)} "
+              f"({str(exc).splitlines()[0][:160]}); it is in {path}", file=sys.stderr)
 
 
 def _history_rows(results, slo) -> list[dict]:

@@ -9,9 +9,10 @@ from kvbench.core.errors import UserError
 
 
 def add_parser(p) -> None:
-    p.add_argument("results", nargs="+", type=Path, metavar="RESULTS",
-                   help="results directories (results/<run_id>, or results/latest); several "
-                        "give one side-by-side bake-off")
+    p.add_argument("results", nargs="+", metavar="RESULTS",
+                   help="results directories (results/<run_id>, or results/latest) or runs "
+                        "on object storage (s3://BUCKET/PREFIX/RUN_ID, copied into a local "
+                        "cache); several give one side-by-side bake-off")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="file to write (default: report.html in the first results directory "
                         "for html, standard output for md)")
@@ -23,8 +24,10 @@ def add_parser(p) -> None:
 
 
 def run(args) -> int:
+    from kvbench.commands.recover import local_run
     from kvbench.reports.rendering.render import render
 
+    args.results = [local_run(spec) for spec in args.results]  # s3://: a local copy
     for path in args.results:
         if not path.is_dir():
             raise UserError(f"{path}: not a results directory; pass the folder kvbench run "

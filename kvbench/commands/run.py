@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from kvbench.core.errors import UserError
+from kvbench.core.objstore import MARKER
 
 
 def add_parser(p) -> None:
@@ -33,7 +34,10 @@ def add_parser(p) -> None:
                         "--expect-workers)")
     p.add_argument("--workers-wait", type=float, default=600.0, metavar="S",
                    help="how long the master waits for its workers to connect (default 600)")
-    p.add_argument("--results-dir", default=None, help="override suite.results_dir")
+    p.add_argument("--results-dir", default=None,
+                   help="override suite.results_dir: a local folder, or s3://BUCKET/PREFIX "
+                        "(spooled locally, uploaded as it completes; [storage] in bench.toml "
+                        "or AWS_ENDPOINT_URL for MinIO/Ceph/R2)")
     p.add_argument("--run-id", default=None, help="run id (default: time, suite and pid)")
     p.add_argument("--endpoint", action="append", default=None, metavar="NAME",
                    help="run only this endpoint (repeatable)")
@@ -57,7 +61,7 @@ def run(args) -> int:
 
 def check_places(args) -> None:
     """``--run-id`` names one plain folder of the results folder and ``--results-dir`` is a
-    local path: refused before anything is read or written."""
+    local path or an s3:// URL: refused before anything is read or written."""
     from kvbench.core.paths import results_dir_problem, run_id_problem
 
     if args.run_id is not None:
@@ -65,7 +69,7 @@ def check_places(args) -> None:
         if why:
             raise UserError(f"--run-id {why}.")
     if args.results_dir is not None:
-        why = results_dir_problem(args.results_dir)
+        why = results_dir_problem(args.results_dir, remote_ok=True)
         if why:
             raise UserError(f"--results-dir {why}.")
 
@@ -149,9 +153,19 @@ class Console:
     def no_latest(self, latest: Path, exc: OSError) -> None:
         print(f"kvbench run: could not update {latest} ({exc})", file=sys.stderr)
 
-    def summary(self, run_dir: Path, meta) -> None:
+    def uploaded(self, url: str, files: int) -> None:
+        self.say(f"kvbench run: uploaded {files} file(s) to {url} (its {MARKER} marker last); "
+                 "the local spool removed")
+
+    def upload_failed(self, url: str, spool: Path, exc: OSError) -> None:
+        print(f"kvbench run: could not upload the run to {url} "
+              f"({str(exc).splitlines()[0][:200]}); it stays in {spool}: run kvbench recover "
+              f"{url} to upload it", file=sys.stderr)
+
+    def summary(self, run_dir: Path, meta, shown: str | None = None) -> None:
         """A few numbers per endpoint, computed with the reports' metric definitions;
-        requests a stop cut (``cancelled``) are counted apart from errors."""
+        requests a stop cut (``cancelled``) are counted apart from errors. ``shown``: where
+        the results go, when not ``run_dir`` (an s3:// URL)."""
         from kvbench.core.store import load_results
         from kvbench.reports.statistics import metrics as M
 
@@ -166,7 +180,7 @@ class Console:
                       f"{acct.get('records', 0)} of its records reached the master")
         res = load_results(run_dir)
         if res.requests.num_rows == 0:
-            print(f"kvbench run: no requests recorded; results in {run_dir}")
+            print(f"kvbench run: no requests recorded; results in {shown or run_dir}")
             return
         frame = M.request_frame(res.requests, stages=res.meta.stages or (), slo=res.meta.slo)
         print(f"{'endpoint':<16} {'requests':>8} {'ok':>6} {'errors':>6} {'cancelled':>9} "
@@ -182,10 +196,10 @@ class Console:
         print(f"kvbench run: {counts['records_written']} records of "
               f"{counts['requests_started']} requests started, {total_cancelled} cancelled at "
               f"the stop (not errors), {counts['dropped_at_cap']} dropped at the in-flight cap; "
-              f"results in {run_dir}")
+              f"results in {shown or run_dir}")
         self.overloaded(frame, res.meta.stages or [])
         self.capacity(frame, res.meta)
-        print(f"next: kvbench report {run_dir} -o report.html")
+        print(f"next: kvbench report {shown or run_dir} -o report.html")
 
     @staticmethod
     def overloaded(frame, stages=()) -> None:

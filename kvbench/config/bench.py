@@ -9,6 +9,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
 from kvbench.config.load import CacheMode, LoadProfile
+from kvbench.config.storage import StorageSpec
 from kvbench.core import redact
 from kvbench.reports.measures.spec import SLO, GateConfig
 from kvbench.workloads import registry
@@ -40,7 +41,7 @@ class SuiteConfig(Strict):
     def _local(cls, v: str) -> str:
         from kvbench.core.paths import results_dir_problem
 
-        why = results_dir_problem(v)
+        why = results_dir_problem(v, remote_ok=True)
         if why:
             raise ValueError(why)
         return v
@@ -66,6 +67,7 @@ class BenchConfig(Strict):
     slo: dict[str, SLO] = Field(default_factory=dict)
     gate: GateConfig = GateConfig()
     collect: CollectConfig = CollectConfig()
+    storage: StorageSpec = StorageSpec()  # an s3:// results_dir's store (config.storage)
 
     @field_validator("workloads", mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """Names and places the results store accepts from the user: a run id is one plain folder of
 the results folder (never a path, never one of the store's own folders), and the results
-folder is a local path (a URL scheme names object storage, which the store does not write)."""
+folder is a local path or an ``s3://bucket/prefix`` URL (``kvbench.core.objstore``: the run is
+spooled locally and uploaded); another URL scheme is refused."""
 
 from __future__ import annotations
 
@@ -30,11 +31,23 @@ def run_id_problem(run_id: str) -> str | None:
     return None
 
 
-def results_dir_problem(results_dir: str) -> str | None:
-    """Why ``results_dir`` cannot be the results folder (None: it can)."""
+def results_dir_problem(results_dir: str, remote_ok: bool = False) -> str | None:
+    """Why ``results_dir`` cannot be the results folder (None: it can). ``remote_ok``: the
+    caller (``kvbench run``, bench.toml) spools and uploads to ``s3://`` URLs; the others
+    (a locustfile's ``--kvbench-results``) write a local folder only."""
     m = _SCHEME.match(results_dir.strip())
-    if m:
-        return (f"{results_dir[:80]!r} is a URL ({m.group(1)}://), and results are written to "
-                "a local folder only (object storage is not supported yet); give a local path "
-                "and copy the run folder there afterwards")
+    if not m:
+        return None
+    from kvbench.core import objstore
+
+    if not objstore.is_url(results_dir):
+        return (f"{results_dir[:80]!r} is a URL ({m.group(1)}://), and results go to a local "
+                "folder or to object storage as s3://BUCKET/PREFIX; give one of those")
+    if not remote_ok:
+        return (f"{results_dir[:80]!r} is an s3:// URL, which only kvbench run uploads to; "
+                "give a local path here")
+    try:
+        objstore.parse(results_dir, env={})
+    except ValueError as exc:
+        return f"{results_dir[:80]!r}: {exc}"
     return None

@@ -7,7 +7,7 @@ steps: checks before anything starts, the endpoints, preflight, telemetry, the j
 another, or each endpoint's side by side), the stop, finalize. It prints nothing itself: every
 line goes through ``console`` (``kvbench.commands.run.Console``), so the command owns the
 wording. Locust runs in subprocesses, so gevent never enters this process; the collectors run
-in its threads.
+in its threads. Over 400 lines, kept whole: one run's steps in order, each a short method.
 """
 
 from __future__ import annotations
@@ -77,13 +77,15 @@ class MatrixRun:
     clock_offsets_ns: dict = field(default_factory=dict)
     interrupted: Interrupted | None = None
     started_ns: int = 0
+    remote: object = None  # core.objstore.Location of an s3:// results_dir; None: local
+    uploader: object = None  # core.objstore.Uploader of the spooled run
 
     # -- before any load
     def check(self) -> None:
         """The config and flags, checked before anything starts (a user error raises)."""
         from kvbench.config import load_config
         from kvbench.config.parse import classes_without_slo
-        from kvbench.core import store
+        from kvbench.core import objstore, store
         from kvbench.runs import matrix
 
         o = self.opts
@@ -110,11 +112,33 @@ class MatrixRun:
             raise UserError(f"{o.config}: profile {searching[0]} is a capacity search, which "
                             "runs its probes from this host alone; drop --workers/"
                             "--expect-workers or pick a fixed-rate profile with --profile")
-        self.results_dir = Path(o.results_dir or cfg.suite.results_dir)
+        target = str(o.results_dir or cfg.suite.results_dir)
+        self.remote = self.object_store(target)  # s3://: the run spooled here, then uploaded
+        self.results_dir = objstore.spool_root(self.remote) if self.remote else Path(target)
         self.run_id = o.run_id or store.new_run_id(cfg.suite.name)
         self.run_dir = self.results_dir / self.run_id
-        if self.run_dir.exists() and any(self.run_dir.iterdir()):
-            raise UserError(f"{self.run_dir} already holds results; pick another --run-id")
+        if self.run_dir.exists() and any(self.run_dir.iterdir()) or (
+                self.remote and objstore.listing(self.remote, self.run_id)):
+            raise UserError(f"{self.run_dir if not self.remote else self.remote.url(self.run_id)}"
+                            " already holds results; pick another --run-id")
+
+    def object_store(self, target: str):
+        """The object store ``target`` names, its bucket checked (None: a local folder)."""
+        from kvbench.core import objstore
+
+        if not objstore.is_url(target):
+            return None
+        field = ("--results-dir" if self.opts.results_dir else
+                 f"{self.opts.config}: field suite.results_dir")
+        try:
+            loc = objstore.parse(target, self.cfg.storage)
+        except ValueError as exc:
+            raise UserError(f"{field}: {exc}") from None
+        why = objstore.bucket_problem(loc)
+        if why:
+            raise UserError(f"{field} {target.strip()[:200]}: {why} ([storage] in {self.opts.config} "
+                            "sets endpoint_url, region and path_style)")
+        return loc
 
     def run(self) -> int:
         """The whole run, its summary printed; the exit code."""
@@ -136,12 +160,16 @@ class MatrixRun:
                 self.stop()
             meta = self.finish() if self.run_dir.exists() else None
             if meta is not None:
-                self.console.summary(self.run_dir, meta)
+                self.console.summary(self.run_dir, meta, shown=self.remote and
+                                     self.remote.url(self.run_id))
+            failed = self.upload()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self.interrupted:
             return 128 + self.interrupted.signum
+        if failed:
+            return INCOMPLETE_EXIT
         cut = self.cut_short(meta) if meta is not None else []
         if cut:
             self.console.incomplete(cut, INCOMPLETE_EXIT)
@@ -178,6 +206,10 @@ class MatrixRun:
             self.jobs = self.own_servers(self.jobs)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         finalize.mark_running(self.run_dir)  # recovery leaves the run alone while this lives
+        if self.remote:  # complete files go up while the load goes on
+            from kvbench.core.objstore import Uploader
+
+            self.uploader = Uploader(self.run_dir, self.remote, self.run_id).start()
         self.collectors = self.noting(
             lambda notes: telemetry.start(self.run_dir, self.cfg, self.jobs, notes))
         self.start_otlp()
@@ -379,8 +411,25 @@ class MatrixRun:
                 "run_id": self.run_id, "suite": self.cfg.suite.name,
                 "config": self.cfg.public_dump()})
         finalize.mark_running(self.run_dir, False)
-        self.link_latest()
+        if self.remote is None:  # on a store, the upload writes its ``latest`` object
+            self.link_latest()
         return meta
+
+    def upload(self) -> bool:
+        """An s3:// run: all of it uploaded, its marker last, the spool then removed; whether
+        that failed (the spool then stays, for ``kvbench recover``)."""
+        import shutil
+
+        if self.uploader is None:
+            return False
+        try:
+            n = self.uploader.finish()
+        except OSError as exc:
+            self.console.upload_failed(self.remote.url(self.run_id), self.run_dir, exc)
+            return True
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.console.uploaded(self.remote.url(self.run_id), n)
+        return False
 
     def link_latest(self) -> None:
         latest = self.results_dir / "latest"
