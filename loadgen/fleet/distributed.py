@@ -55,16 +55,19 @@ DRAIN_WAIT_S = 15.0  # beyond the drain, how long the master waits for its worke
 
 @events.init_command_line_parser.add_listener
 def add_arguments(parser) -> None:
+    # neither is in the web UI's form: its unticked box would undo the master's choice
     parser.add_argument(
         "--kvbench-ship-records", env_var="KVBENCH_SHIP_RECORDS", action="store_true",
-        default=False, help="workers send their records to the master over Locust's messages: "
-                            "the default on a master; needed only for a --processes master "
-                            "(whose forked workers otherwise write to its disk)")
+        default=False, include_in_web_ui=False,
+        help="workers send their records to the master over Locust's messages: the default on "
+             "a master; needed only for a --processes master (whose forked workers otherwise "
+             "write to its disk)")
     parser.add_argument(
         "--kvbench-no-ship-records", env_var="KVBENCH_NO_SHIP_RECORDS", action="store_true",
-        default=False, help="workers write their records into the results directory the "
-                            "master names instead of sending them to it: only for workers "
-                            "that share the master's disk; set it on the master")
+        default=False, include_in_web_ui=False,
+        help="workers write their records into the results directory the master names instead "
+             "of sending them to it: only for workers that share the master's disk; set it on "
+             "the master")
     for name in TRAVELLING.values():
         parser.add_argument(f"--{name.replace('_', '-')}", default="", include_in_web_ui=False,
                             help=argparse_suppress())
