@@ -395,8 +395,7 @@ def check_records_arrived(environment, run_dir, rows: int | None) -> str | None:
                "write to the master's disk, which they do not share; run without it so they "
                "send their records to the master")
     msg = (f"the workers sent {sent} requests but the run directory {Path(run_dir).resolve()} "
-           "holds no record "
-           f"of them: {why}")
+           f"holds no record of them: {why}")
     log.error("kvbench: error: %s", msg)
     if not environment.process_exit_code:
         environment.process_exit_code = 1
