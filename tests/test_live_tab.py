@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -213,3 +214,65 @@ def test_master_of_a_distributed_run_serves_its_workers_summaries(endpoint, conf
         out = finish(proc)
     assert "Traceback" not in out, out[-3000:]
 
+
+
+def test_kvbench_page_names_the_stage_and_its_table_fits_1400px(endpoint, config, tmp_path):
+    """Before a start the page says "no stage yet" (it said "stage 0 (null users)"), then the
+    stage counted from 1 with the users Locust runs, then "stopped"; at 1400 px the metrics
+    table sits in a box that scrolls sideways and is not cut off by the window (issue 33)."""
+    sync_api = browser_or_skip()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "locust", "-f", "loadgen/mix.py", "--host", endpoint,
+         "--web-host", "127.0.0.1", "--web-port", str(port), "--kvbench-config", str(config),
+         "--kvbench-results", str(tmp_path), "--kvbench-run-id", "stage-label",
+         "--kvbench-endpoint", "builtin-pd", "--kvbench-pacing", "closed"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    errors = []
+    try:
+        state = wait_for(lambda: get_json(f"{base}/kvbench/live.json")["state"])
+        assert state["runner"] == "ready", state
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.goto(f"{base}/kvbench")
+                page.wait_for_function("Number(document.body.dataset.refreshes || 0) >= 1",
+                                       timeout=30_000)
+                header = page.locator("#state").inner_text()
+                assert "no stage yet" in header and "null" not in header, header
+                body = urllib.parse.urlencode({"user_count": 2, "spawn_rate": 2,
+                                               "host": endpoint}).encode()
+                urllib.request.urlopen(f"{base}/swarm", data=body, timeout=10).read()
+                page.wait_for_function(
+                    "document.getElementById('state').textContent.includes('2 users') && "
+                    "document.querySelectorAll('#metrics tbody tr').length >= 2",
+                    timeout=60_000)
+                header = page.locator("#state").inner_text()
+                assert "stage 1" in header and "null" not in header, header
+                fit = page.evaluate("""() => {
+                    const box = document.getElementById('metrics-box');
+                    const table = document.getElementById('metrics');
+                    return {overflow: getComputedStyle(box).overflowX,
+                            boxRight: box.getBoundingClientRect().right,
+                            window: document.documentElement.clientWidth,
+                            pageScroll: document.documentElement.scrollWidth,
+                            table: table.scrollWidth, box: box.clientWidth};
+                }""")
+                assert fit["overflow"] == "auto", fit
+                assert fit["boxRight"] <= fit["window"], fit  # the box is not cut off
+                assert fit["pageScroll"] <= fit["window"], fit  # nor is the page
+                assert fit["table"] <= fit["box"], fit  # at 1400 px the table fits whole
+                page.screenshot(path=str(_art("live-tab-1400.png")), full_page=True)
+                urllib.request.urlopen(f"{base}/stop", data=b"", timeout=10).read()
+                page.wait_for_function(
+                    "document.getElementById('state').textContent.includes('stopped')",
+                    timeout=60_000)
+            finally:
+                browser.close()
+    finally:
+        out = finish(proc)
+    assert errors == [], errors
+    assert "Traceback" not in out, out[-3000:]

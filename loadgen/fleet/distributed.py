@@ -1,10 +1,18 @@
-"""Distributed runs on Locust's own master and workers with no shared disk (issue 15): with
-``--kvbench-ship-records`` (set on the master; custom arguments travel to the workers) each
+"""Distributed runs on Locust's own master and workers with no shared disk (issue 15): each
 worker's record sink keeps its shard in a local spool and sends every batch and sidecar to the
 master over Locust's worker-to-master messages; the master writes them into its own run
 directory (``kvbench.runs.transport.Inbox``), acknowledges each, and finalizes as for one
 process. The master also pings each worker's clock once a second (run.json
-``worker_clock_offsets_ns``).
+``worker_clock_offsets_ns``). Over 400 lines, kept whole: both ends of one protocol.
+
+Shipping is the default on a master (issue 33: a plain ``locust --master`` with workers on other
+hosts lost every record unless its user knew to add a flag). The master decides and its
+options travel to the workers: ``--kvbench-no-ship-records`` (``KVBENCH_NO_SHIP_RECORDS=1``)
+lets workers that share its disk write into its results directory themselves; a ``--processes``
+master's own forked workers share its disk by construction and write there unless
+``--kvbench-ship-records`` (otherwise a no-op, kept for older command lines) asks for shipping.
+A master whose workers sent requests of which no record reached its run directory exits
+non-zero with one sentence (``check_records_arrived``).
 
 Where the spool lives on a worker: ``$KVBENCH_SPOOL`` (default ``<tmp>/kvbench-spool``) /
 ``<run id>/<host>-<pid>``; removed once the master has acknowledged everything, kept otherwise.
@@ -47,10 +55,19 @@ DRAIN_WAIT_S = 15.0  # beyond the drain, how long the master waits for its worke
 
 @events.init_command_line_parser.add_listener
 def add_arguments(parser) -> None:
+    # neither is in the web UI's form: its unticked box would undo the master's choice
     parser.add_argument(
         "--kvbench-ship-records", env_var="KVBENCH_SHIP_RECORDS", action="store_true",
-        default=False, help="workers send their records to the master over Locust's messages "
-                            "(no shared results directory); set it on the master")
+        default=False, include_in_web_ui=False,
+        help="workers send their records to the master over Locust's messages: the default on "
+             "a master; needed only for a --processes master (whose forked workers otherwise "
+             "write to its disk)")
+    parser.add_argument(
+        "--kvbench-no-ship-records", env_var="KVBENCH_NO_SHIP_RECORDS", action="store_true",
+        default=False, include_in_web_ui=False,
+        help="workers write their records into the results directory the master names instead "
+             "of sending them to it: only for workers that share the master's disk; set it on "
+             "the master")
     for name in TRAVELLING.values():
         parser.add_argument(f"--{name.replace('_', '-')}", default="", include_in_web_ui=False,
                             help=argparse_suppress())
@@ -73,7 +90,26 @@ def spool_base() -> Path:
 
 
 def shipping(environment) -> bool:
-    return bool(getattr(environment.parsed_options, "kvbench_ship_records", False))
+    """Whether this run's workers send their records to the master (the master's decision,
+    ``resolve_shipping``, reaches the workers with its options)."""
+    o = environment.parsed_options
+    return bool(getattr(o, "kvbench_ship_records", False)) and not getattr(
+        o, "kvbench_no_ship_records", False)
+
+
+def resolve_shipping(options) -> bool:
+    """On the master, before its options travel: ship unless told not to, or unless its workers
+    are its own ``--processes`` children (on its disk) and shipping was not asked for."""
+    if options is None:
+        return False
+    if getattr(options, "kvbench_no_ship_records", False):
+        ship = False
+    elif getattr(options, "kvbench_ship_records", False):
+        ship = True
+    else:
+        ship = not getattr(options, "processes", None)
+    options.kvbench_ship_records, options.kvbench_no_ship_records = ship, not ship
+    return ship
 
 
 # --------------------------------------------------------------------------- worker side
@@ -292,6 +328,7 @@ def on_init(environment, **kw) -> None:
         runner.register_message(T.RECORDS_MSG, recv.on_records)
         runner.register_message(T.PONG_MSG, recv.on_pong)
         o = environment.parsed_options
+        resolve_shipping(o)
         for opt, text_opt in TRAVELLING.items():
             if o is not None and shipping(environment) and getattr(o, opt, ""):
                 try:  # workers on other hosts have no copy of the file: its text travels
@@ -327,3 +364,39 @@ def _master_quitting(environment, **kw) -> None:
     recv = getattr(environment, "kvbench_receiver", None)
     if recv is not None and shipping(environment):
         recv.drain()
+
+
+# --------------------------------------------------------------------------- the master's check
+
+
+def requests_counted(environment) -> int:
+    """The requests the workers reported to Locust's stats on the master: kvbench's one
+    ``e2e`` entry per request, else (no such entry) every request event."""
+    stats = environment.runner.stats
+    e2e = [e for e in stats.entries.values() if str(e.name).startswith("e2e ")]
+    if e2e:
+        return sum(e.num_requests for e in e2e)
+    return stats.total.num_requests
+
+
+def check_records_arrived(environment, run_dir, rows: int | None) -> str | None:
+    """A master whose workers sent requests but whose run holds none of their records: the
+    sentence that says so (logged; the exit code becomes 1), else None."""
+    sent = requests_counted(environment)
+    if rows is None or rows or not sent:
+        return None
+    if shipping(environment):
+        why = ("none of the workers' records reached the master (see the workers' logs: each "
+               "keeps what was not acknowledged in its spool, $KVBENCH_SPOOL)")
+    elif getattr(environment.parsed_options, "processes", None):
+        why = "its --processes workers wrote none there (see their errors above)"
+    else:
+        why = ("--kvbench-no-ship-records (or KVBENCH_NO_SHIP_RECORDS) told the workers to "
+               "write to the master's disk, which they do not share; run without it so they "
+               "send their records to the master")
+    msg = (f"the workers sent {sent} requests but the run directory {Path(run_dir).resolve()} "
+           f"holds no record of them: {why}")
+    log.error("kvbench: error: %s", msg)
+    if not environment.process_exit_code:
+        environment.process_exit_code = 1
+    return msg

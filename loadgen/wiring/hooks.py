@@ -251,6 +251,20 @@ def _quit(environment) -> None:
                              interrupted=why)
     except UserError as exc:
         fail(environment, exc)
+        return
+    if master:  # records that never reached this disk: not a run that passed (issue 33)
+        path = ctx.run_dir if ctx is not None else run_dir(o)
+        distributed.check_records_arrived(environment, path, _rows(path))
+
+
+def _rows(path) -> int | None:
+    """The requests table's rows of a finalized run, None where it cannot be read."""
+    from kvbench.core import store
+
+    try:
+        return store.read_table(path, "requests", columns=["request_id"]).num_rows
+    except Exception:  # noqa: BLE001 - finalize has named what is damaged
+        return None
 
 
 def _pyarrow_without_pandas() -> None:

@@ -81,7 +81,9 @@ class WebTab:
     def summary(self) -> dict:
         stats = getattr(self.environment, "kvbench_live", None)
         if stats is None:
-            return {"rows": [], "state": {}, "telemetry": {"note": "no requests yet"},
+            return {"rows": [], "state": {"runner": getattr(self.environment.runner, "state",
+                                                            None)},
+                    "telemetry": {"note": "no requests yet"},
                     "window_s": live.WINDOW_S, "since_s": 0.0, "stages": {}, "workers": 0}
         now = time.monotonic()
         if self._cache is None or now - self._cache[0] >= CACHE_S:
@@ -91,8 +93,20 @@ class WebTab:
                 rd = _run_dir(self.environment)
                 if rd is not None:
                     stats.telemetry = live.TelemetryTail(rd)
-            self._cache = (now, stats.summary())
+            self._cache = (now, self._with_runner(stats.summary()))
         return self._cache[1]
+
+    def _with_runner(self, summary: dict) -> dict:
+        """Locust's own state and user count beside the summary: the page names the stage
+        from them (a closed loop's users are the ones Locust runs; none yet before a start)."""
+        runner = self.environment.runner
+        state = summary["state"] = dict(summary.get("state") or {})
+        state["runner"] = getattr(runner, "state", None)
+        try:
+            state["users_now"] = runner.user_count if runner is not None else None
+        except Exception:  # noqa: BLE001 - a figure of the page, never an error of the run
+            state["users_now"] = None
+        return summary
 
     def install(self, web_ui) -> None:
         from flask import Response, request
