@@ -329,6 +329,10 @@ def on_init(environment, **kw) -> None:
         runner.register_message(T.PONG_MSG, recv.on_pong)
         o = environment.parsed_options
         resolve_shipping(o)
+        if o is not None and not o.kvbench_config and not o.kvbench_job:
+            here = options.config_path(o)  # ./bench.toml beside the master: the workers,
+            if here:  # on other hosts or in other folders, take the master's, not theirs
+                o.kvbench_config = str(Path(here).resolve())
         for opt, text_opt in TRAVELLING.items():
             if o is not None and shipping(environment) and getattr(o, opt, ""):
                 try:  # workers on other hosts have no copy of the file: its text travels
