@@ -87,6 +87,8 @@ def on_init(environment, **kw) -> None:
         ctx = get_context(environment, classes[0])
         if not environment.stop_timeout:
             environment.stop_timeout = ctx.drain_s
+    except DiskFull as exc:  # no space for its first record: the same sentence and code
+        write_failed(environment, exc)
     except UserError as exc:
         fail(environment, exc)
     # The build blocked the loop: refresh libev's cached clock, or Locust's --run-time timer
@@ -232,6 +234,8 @@ def _quit(environment) -> None:
     ctx: LoadContext | None = getattr(environment, "kvbench", None)
     if ctx is not None:
         ctx.close(why)
+        if ctx.sink.failure is not None:  # its last write, at the close, failed
+            write_failed(environment, ctx.sink.failure, quit=False)
     if not has_kvbench_options(o) or isinstance(runner, WorkerRunner) or not o.kvbench_run_id:
         return
     expected = max(1, o.kvbench_workers or 1) if master else 1
@@ -251,26 +255,27 @@ def _quit(environment) -> None:
         finalize_environment(environment, ctx, expected_procs=expected, wait_s=0.0,
                              interrupted=why)
     except DiskFull as exc:
-        write_failed(environment, exc)
+        write_failed(environment, exc, quit=False)
     except UserError as exc:
         fail(environment, exc)
 
 
-def write_failed(environment, exc: DiskFull) -> None:
+def write_failed(environment, exc: DiskFull, quit: bool = True) -> None:
     """A write of the run's results failed (the disk is full, issue 33): say so in one
     sentence, stop the load now (no drain: nothing more can be written) and exit with
     ``DiskFull``'s code; the shards keep what was written, for ``kvbench recover``."""
     if getattr(environment, "kvbench_write_failed", None) is not None:
         return
     environment.kvbench_write_failed = exc
-    environment.kvbench_interrupt = environment.kvbench_interrupt if getattr(
-        environment, "kvbench_interrupt", None) else "a write of its results failed"
+    if not getattr(environment, "kvbench_interrupt", None):
+        environment.kvbench_interrupt = "a write of its results failed"
     environment.stop_timeout = 0
     environment.process_exit_code = exc.exit_code
     if not getattr(environment, "kvbench_reported", False):
         environment.kvbench_reported = True  # one sentence: later errors are its echo
         log.error("kvbench: error: %s", redact.redact(str(exc)))
-    quit_soon(environment)
+    if quit:
+        quit_soon(environment)
 
 
 def _pyarrow_without_pandas() -> None:
