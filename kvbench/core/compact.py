@@ -42,26 +42,13 @@ def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
     try:
         pq.write_table(t, tmp, compression="zstd")
         os.replace(tmp, run_dir / f"{table}.parquet")
-    except OSError as exc:  # pyarrow's own IO errors are OSErrors too
+    except OSError as exc:  # pyarrow's IO errors are OSErrors, with the errno
         tmp.unlink(missing_ok=True)
-        if getattr(exc, "errno", None) is None:  # an Arrow IOError carries no errno
-            exc = _errno_of(exc)
         raise write_failed(run_dir, exc) from None
     if remove_shards:
         for s in table_files + start_files:
             s.unlink(missing_ok=True)
     return t.num_rows
-
-
-def _errno_of(exc: OSError) -> OSError:
-    """An Arrow IO error (its errno only in its text) as the ``OSError`` it reports."""
-    import errno
-
-    text = str(exc)
-    for code, name in ((errno.ENOSPC, "No space left"), (errno.EDQUOT, "quota")):
-        if name.lower() in text.lower():
-            return OSError(code, os.strerror(code))
-    return OSError(errno.EIO, text.splitlines()[0][:160] if text else "write failed")
 
 
 def read_starts(run_dir: Path | str) -> pa.Table:

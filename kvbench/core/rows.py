@@ -100,9 +100,11 @@ def write_failed(folder: Path | str, exc: OSError) -> DiskFull:
         return exc
     what = (f"disk full: {folder} has no space left" if exc.errno in _FULL
             else f"cannot write to {folder}")
-    err = DiskFull(f"{what} ({exc.strerror or exc}); the load stopped at the first failed "
-                   "write and every record written before it is kept: free space, then run "
-                   f"kvbench recover {folder}")
+    why = exc.strerror or str(exc)
+    if exc.errno and "[errno" in why:  # pyarrow's wording: "Error writing bytes ... [errno 28]"
+        why = os.strerror(exc.errno)
+    err = DiskFull(f"{what} ({why}); every record written before the failed write is kept: "
+                   f"free space, then run kvbench recover {folder}")
     err.folder, err.errno = Path(folder), exc.errno
     return note_write_failure(err)
 
