@@ -230,7 +230,7 @@ def test_plain_locust_stops_at_a_full_disk(tmp_path, endpoint):
         sys.executable, "-m", "locust", "-f", "loadgen/chat.py", "--headless", "--host",
         endpoint, "-u", "8", "-r", "8", "-t", "20s", "--only-summary", "--kvbench-config",
         str(cfg), "--kvbench-results", str(results), "--kvbench-run-id", run_id,
-        "--kvbench-profile", "steady"], leave_kb=120, marker=run_id)
+        "--kvbench-profile", "steady"], leave_kb=80, marker=run_id)
     check_ended_on_a_full_disk(got, str(results / run_id))
     check_records_kept(got["copy"] / run_id)
 
