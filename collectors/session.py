@@ -17,6 +17,7 @@ from kvbench.collectors.prometheus import PrometheusScraper
 from kvbench.collectors.sink import ShardSink
 from kvbench.core import store
 from kvbench.core.contract import Incomplete
+from kvbench.core.errors import DiskFull
 
 
 def metrics_url_for(endpoint: dict) -> str | None:
@@ -101,9 +102,17 @@ class CollectorHandle:
                     offsets[p.host] = p.offset_add_ns
             self.gpu_sink.close()
             self.engine_sink.close()
-            if compact:
-                for table in ("gpu", "engine"):
+            for sink in (self.gpu_sink, self.engine_sink):
+                if sink.failed is not None:  # the disk is full: its later samples dropped
+                    incomplete.append(Incomplete(f"{sink.path.name.split('-')[0]} telemetry",
+                                                 f"samples after a failed write dropped: "
+                                                 f"{sink.failed}"[:200]))
+            for table in ("gpu", "engine") if compact else ():
+                try:
                     store.compact(self.run_dir, table)
+                except DiskFull as exc:  # its shards stay, whole, for a later compaction
+                    incomplete.append(Incomplete(f"{table} telemetry",
+                                                 f"not compacted: {exc}"[:200]))
             self._result = Collected(telemetry, incomplete, offsets)
             return self._result
 

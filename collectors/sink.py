@@ -1,10 +1,14 @@
 """Where collectors put their rows: columnar buffers turned into Arrow record batches, written
-by the store's ``ShardWriter`` to ``<table>-<host>-<pid>.arrows`` shards."""
+by the store's ``ShardWriter`` to ``<table>-<host>-<pid>.arrows`` shards. A write that fails
+(the disk is full) is no collector's error: the shard keeps what it had, later samples are
+dropped, and the failure is the process's (``kvbench.core.rows.write_failure``), whose driver
+stops the run."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+from kvbench.core.errors import DiskFull
 from kvbench.core.store import ShardWriter
 
 
@@ -32,5 +36,13 @@ class Columns:
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
 
-# The one shard writer lives in the results store; collectors write their tables through it.
-ShardSink = ShardWriter
+class ShardSink(ShardWriter):
+    """The store's one shard writer, as collectors' threads call it: a failed write is noted
+    (``failed``, and for the process) and returns 0, never an exception in a sampling
+    thread."""
+
+    def write(self, batch: pa.RecordBatch | None) -> int:
+        try:
+            return super().write(batch)
+        except DiskFull:
+            return 0

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from kvbench.core.checks import check_requests, records_source
 from kvbench.core.contract import RunMeta
-from kvbench.core.rows import START_COLUMNS, shard_files
+from kvbench.core.rows import START_COLUMNS, shard_files, write_failed
 from kvbench.core.runjson import read_meta
 from kvbench.core.schema import REQUESTS, TABLES
 from kvbench.core.shards import STARTS, _conform, _shard_batches, read_table
@@ -25,7 +25,9 @@ KILLED_IN_FLIGHT = "in flight when the load process was killed"
 def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
     """Merge ``<table>-*`` shards (``.arrows`` and ``.rows``, and an existing parquet) into
     ``<table>.parquet``; for requests, each start with no record (its process was killed)
-    becomes a ``cancelled`` record (``unfinished_starts``) and the start shards go too."""
+    becomes a ``cancelled`` record (``unfinished_starts``) and the start shards go too. The
+    shards are removed only once the parquet file is whole in place: a write that fails (the
+    disk is full) removes its partial file, keeps every shard and raises ``DiskFull``."""
     run_dir = Path(run_dir)
     table_files = shard_files(run_dir, table)
     start_files = shard_files(run_dir, "starts") if table == "requests" else []
@@ -37,8 +39,12 @@ def compact(run_dir: Path | str, table: str, remove_shards: bool = True) -> int:
         if lost.num_rows:
             t = pa.concat_tables([t, lost])
     tmp = run_dir / f"{table}.parquet.tmp"
-    pq.write_table(t, tmp, compression="zstd")
-    os.replace(tmp, run_dir / f"{table}.parquet")
+    try:
+        pq.write_table(t, tmp, compression="zstd")
+        os.replace(tmp, run_dir / f"{table}.parquet")
+    except OSError as exc:  # pyarrow's IO errors are OSErrors, with the errno
+        tmp.unlink(missing_ok=True)
+        raise write_failed(run_dir, exc) from None
     if remove_shards:
         for s in table_files + start_files:
             s.unlink(missing_ok=True)

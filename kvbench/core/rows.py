@@ -8,10 +8,16 @@ following object one batch, a list of column lists in the header's column order 
 Python gives them: ints, floats, strings, None, lists). The file is flushed after each batch,
 so a killed process keeps every complete batch; ``kvbench.core.store`` reads it up to the last
 one, typed by ``kvbench.core.schema``, the one place with the columns' types.
+
+A write that fails (the disk is full) is cut back to the last complete batch and ends the
+shard: it raises ``DiskFull``, one sentence naming the run's folder, and is noted for the whole
+process (``note_write_failure``), so that whoever drives the load stops it at the first failed
+write (issue 33).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,6 +30,7 @@ from typing import Iterator, Sequence
 import msgpack
 
 from kvbench.core.contract import ProcMeta
+from kvbench.core.errors import DiskFull
 
 ROWS_VERSION = 1  # the header's "kvbench_rows"
 ROWS_SUFFIX = ".rows"
@@ -66,12 +73,96 @@ def shard_stem(host: str | None = None, pid: int | None = None) -> str:
 def write_proc_meta(run_dir: Path | str, meta: ProcMeta, stem: str | None = None) -> Path:
     """A load process's sidecar ``proc-<host>-<pid>.json`` (counts, stages, incomplete), read
     by whoever finalizes the run; ``stem``: another process's (a master writing the sidecar a
-    worker sent it)."""
+    worker sent it). A failed write (``DiskFull``) leaves the last sidecar as it was."""
     path = Path(run_dir) / f"proc-{stem or shard_stem()}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(meta.to_dict(), indent=1, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(meta.to_dict(), indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(run_dir, exc) from None
     return path
+
+
+# --------------------------------------------------------------------------- a failed write
+
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG)
+_failures: dict[Path, DiskFull] = {}  # folder -> this process's first failed write in it
+_listeners: list = []
+_failure_lock = threading.Lock()
+
+
+def write_failed(folder: Path | str, exc: OSError) -> DiskFull:
+    """The error of a write of a run's results in ``folder`` that failed with ``exc`` (one
+    sentence, naming the folder; "disk full" when the disk is), noted for the process."""
+    if isinstance(exc, DiskFull):
+        return exc
+    what = (f"disk full: {folder} has no space left" if exc.errno in _FULL
+            else f"cannot write to {folder}")
+    why = exc.strerror or str(exc)
+    if exc.errno and "[errno" in why:  # pyarrow's wording: "Error writing bytes ... [errno 28]"
+        why = os.strerror(exc.errno)
+    err = DiskFull(f"{what} ({why}); every record written before the failed write is kept: "
+                   f"free space, then run kvbench recover {folder}")
+    err.folder, err.errno = Path(folder), exc.errno
+    return note_write_failure(err)
+
+
+def note_write_failure(err: DiskFull) -> DiskFull:
+    """Note a failed write in ``err.folder`` for the whole process and tell the listeners
+    (``on_write_failure``), once a folder; they run on the thread that failed and must return
+    fast. Returns the folder's first failure."""
+    key = Path(err.folder).absolute()
+    with _failure_lock:
+        if key in _failures:
+            return _failures[key]
+        _failures[key] = err
+        listeners = list(_listeners)
+    for listener in listeners:
+        try:
+            listener(err)
+        except Exception:  # noqa: BLE001 - the failure is noted; a listener's bug is not it
+            pass
+    return err
+
+
+def write_failure(folder: Path | str | None = None) -> DiskFull | None:
+    """This process's first failed write of a run's results (in ``folder`` or below it), or
+    None."""
+    with _failure_lock:
+        noted = list(_failures.items())
+    if folder is None:
+        return noted[0][1] if noted else None
+    top = Path(folder).absolute()
+    return next((e for f, e in noted if f == top or top in f.parents), None)
+
+
+def on_write_failure(listener) -> None:
+    """Call ``listener(err)`` at each folder's first failed write in this process (at once
+    for those already noted)."""
+    with _failure_lock:
+        if listener not in _listeners:
+            _listeners.append(listener)
+        noted = list(_failures.values())
+    for err in noted:
+        listener(err)
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to the file open at ``fd`` (``O_APPEND``) whole, or not at all: a
+    write that fails part way is cut back, so the file ends at its last complete batch."""
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        raise
 
 
 SHARD_SUFFIXES = (".arrows", ROWS_SUFFIX)  # collectors and older runs write Arrow IPC shards
@@ -153,8 +244,10 @@ def unpacker(source=None) -> msgpack.Unpacker:
 class RowShardWriter:
     """The load process's writer of table shards, with ``store.ShardWriter``'s contract:
     appends batches (column lists) to ``<run_dir>/<table>-<host>-<pid>[-<tag>].rows``,
-    flushed after each batch, so a killed process keeps every complete batch. Thread-safe;
-    the file and its header are created with the first batch (or by ``open``)."""
+    each written whole to the file (no buffer), so a killed process keeps every complete
+    batch. A write that fails is cut back to the last complete batch, raises ``DiskFull`` and
+    ends the shard (``failed``; later writes are dropped). Thread-safe; the file and its
+    header are created with the first batch (or by ``open``)."""
 
     def __init__(self, run_dir: Path | str, table: str, tag: str | None = None,
                  columns: Sequence[str] | None = None) -> None:
@@ -162,22 +255,40 @@ class RowShardWriter:
         self.columns = tuple(columns if columns is not None else COLUMNS[table])
         self.path = shard_path(run_dir, table, ROWS_SUFFIX, tag)
         self._lock = threading.Lock()
-        self._fh = None
+        self._fd: int | None = None
         self.rows = 0
         self.closed = False
+        self.failed: DiskFull | None = None
 
     def open(self) -> None:
         """Create the shard now (a header alone is a valid, readable shard)."""
         with self._lock:
-            self._open()
+            self._guarded(self._open)
 
     def _open(self) -> None:
-        if self._fh is None:
+        if self._fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "ab")
-            if self._fh.tell() == 0:
-                self._fh.write(msgpack.packb(header(self.table, self.columns)))
-                self._fh.flush()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            if os.fstat(self._fd).st_size == 0:
+                append_whole(self._fd, msgpack.packb(header(self.table, self.columns)))
+
+    def _guarded(self, step) -> None:
+        """``step()``; a failed write ends the shard and raises ``DiskFull``."""
+        try:
+            step()
+        except OSError as exc:
+            self.failed = write_failed(self.path.parent, exc)
+            self.closed = True
+            self._close_fd()
+            raise self.failed from None
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
 
     def write(self, cols: Sequence[Sequence] | None) -> int:
         """Append one batch (its columns in ``columns`` order); returns the rows written."""
@@ -193,18 +304,18 @@ class RowShardWriter:
         with self._lock:
             if self.closed:
                 return 0
-            self._open()
-            self._fh.write(data)
-            self._fh.flush()
+
+            def append() -> None:
+                self._open()
+                append_whole(self._fd, data)
+            self._guarded(append)
             self.rows += rows
         return rows
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            if self._fh is not None:
-                self._fh.close()
-                self._fh = None
+            self._close_fd()
 
 
 class RowTail:

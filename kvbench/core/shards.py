@@ -1,10 +1,13 @@
 """A run's tables on disk, read and written: the collectors' Arrow shard writer, the one reader
 of every table (``scan``: parquet, then live shards, conformed to the schema), and the
 incremental reader of growing shards (``ShardTail``).
+(Over 400 lines, kept whole: the writer and the readers of the Arrow shards share one framing,
+whole batches, which a failed write must leave readable.)
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -15,7 +18,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from kvbench.core import rows
-from kvbench.core.errors import DataError
+from kvbench.core.errors import DataError, DiskFull
 from kvbench.core.rows import START_COLUMNS, shard_files
 from kvbench.core.schema import REQUESTS, SCHEMA_VERSION, STATUSES, TABLES
 
@@ -26,32 +29,68 @@ SHARD_SCHEMAS = {**TABLES, "starts": STARTS}
 # --------------------------------------------------------------------------- writing tables
 
 
+class _Pending:
+    """The file-like sink an Arrow IPC writer writes into: its bytes wait here until the
+    writer has written one whole message, then go to the file in one append."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data) -> int:
+        self.data += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        out, self.data = bytes(self.data), bytearray()
+        return out
+
+
 class ShardWriter:
     """The writer of Arrow table shards (collectors, OTLP spans): appends record batches to
-    ``<run_dir>/<table>-<host>-<pid>[-<tag>].arrows``, an Arrow IPC stream flushed after each
-    batch, so a killed process keeps every complete batch (``scan`` reads up to the last).
-    Thread-safe; the file is created with the first batch (or by ``open``)."""
+    ``<run_dir>/<table>-<host>-<pid>[-<tag>].arrows``, an Arrow IPC stream each of whose
+    batches goes to the file whole, so a killed process keeps every complete batch (``scan``
+    reads up to the last). A write that fails (the disk is full) is cut back to the last
+    complete batch, raises ``DiskFull`` (noted for the process: ``rows.write_failure``) and
+    ends the shard (``failed``; later batches are dropped). Thread-safe; the file is created
+    with the first batch (or by ``open``)."""
 
     def __init__(self, run_dir: Path | str, table: str, tag: str | None = None) -> None:
         self.schema = SHARD_SCHEMAS[table]
         self.path = rows.shard_path(run_dir, table, ".arrows", tag)
         self._lock = threading.Lock()
-        self._fh = None
+        self._fd: int | None = None
+        self._pending = _Pending()
         self._writer = None
         self.rows = 0
         self.closed = False
+        self.failed: DiskFull | None = None
 
     def open(self) -> None:
         """Create the shard now (an empty stream is a valid, readable shard)."""
         with self._lock:
-            self._open()
+            if not self.closed:
+                self._guarded(self._open)
 
     def _open(self) -> None:
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "ab")
-            self._writer = ipc.new_stream(self._fh, self.schema)
-            self._fh.flush()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._writer = ipc.new_stream(self._pending, self.schema)
+            rows.append_whole(self._fd, self._pending.take())
+
+    def _guarded(self, step) -> None:
+        """``step()``; a failed write ends the shard and raises ``DiskFull``."""
+        try:
+            step()
+        except OSError as exc:
+            self.failed = rows.write_failed(self.path.parent, exc)
+            self._end(write_eos=False)
+            raise self.failed from None
 
     def write(self, batch: pa.RecordBatch | None) -> int:
         """Append one batch (cast to the table's schema); returns the rows written."""
@@ -62,20 +101,36 @@ class ShardWriter:
         with self._lock:
             if self.closed:
                 return 0
-            self._open()
-            self._writer.write_batch(batch)
-            self._fh.flush()
+
+            def append() -> None:
+                self._open()
+                self._writer.write_batch(batch)
+                rows.append_whole(self._fd, self._pending.take())
+            self._guarded(append)
             self.rows += batch.num_rows
         return batch.num_rows
 
+    def _end(self, write_eos: bool) -> None:
+        self.closed = True
+        if self._writer is not None:
+            try:
+                self._writer.close()  # its end-of-stream marker, into the pending bytes
+                if write_eos and self._fd is not None:
+                    rows.append_whole(self._fd, self._pending.take())
+            except OSError:
+                pass  # a stream without its end marker reads the same
+            self._writer = None
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
     def close(self) -> None:
         with self._lock:
-            self.closed = True
-            if self._writer is not None:
-                self._writer.close()
-                self._fh.close()
-                self._writer = self._fh = None
-
+            if not self.closed or self._fd is not None:
+                self._end(write_eos=self.failed is None)
 
 
 # --------------------------------------------------------------------------- reading tables

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from kvbench.core import redact, store
 from kvbench.core.contract import EndpointEntry, Incomplete, ProcMeta, RunMeta, StageEntry
 from kvbench.core.errors import DataError, UserError
+from kvbench.core.rows import write_failed
 from kvbench.runs import search
 
 log = logging.getLogger("kvbench.runs")
@@ -96,7 +97,11 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
     # no known secret, header value or URL userinfo is written (redacted as JSON: every
     # string of every field, the config's included)
     run = RunMeta.from_dict(redact.redact_obj(run.to_dict()))
-    store.write_run_json(run_dir, run)
+    try:
+        store.write_run_json(run_dir, run)
+    except OSError as exc:  # the disk is full: the shards stay for kvbench recover
+        (run_dir / "run.json.tmp").unlink(missing_ok=True)
+        raise write_failed(run_dir, exc) from None
     log.info("kvbench: %d records in %s", rows, run_dir)
     return run
 
@@ -222,8 +227,12 @@ def mark_running(run_dir: Path, running: bool = True) -> None:
     """Say (or stop saying) that this process drives ``run_dir``, so ``recover`` waits."""
     path = Path(run_dir) / RUNNER_FILE
     if running:
-        path.write_text(json.dumps({"worker": f"{socket.gethostname()}:{os.getpid()}",
-                                    "updated_ns": time.time_ns()}))
+        try:
+            path.write_text(json.dumps({"worker": f"{socket.gethostname()}:{os.getpid()}",
+                                        "updated_ns": time.time_ns()}))
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise write_failed(run_dir, exc) from None
     else:
         path.unlink(missing_ok=True)
 

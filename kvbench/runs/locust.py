@@ -1,9 +1,14 @@
 """Launch one Locust child for a resolved job (``python -m locust -f <job locustfile>
 --kvbench-job FILE``), so gevent never enters the ``kvbench run`` process. The locustfiles are
-found on disk (``kvbench.loadgen``'s folder) without importing loadgen, which sits above runs."""
+found on disk (``kvbench.loadgen``'s folder) without importing loadgen, which sits above runs.
+
+A failed write of the run's results (the disk is full: issue 33), the child's own (it exits
+with ``DISK_FULL_EXIT``) or this process's (its collectors'), stops every Locust child at once
+and ends the job with ``DiskFull``."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import math
 import os
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.core import redact, rows
-from kvbench.core.errors import UserError
+from kvbench.core.errors import DISK_FULL_EXIT, DiskFull, UserError
 from kvbench.runs import lifeline
 from kvbench.runs.job import Job
 
@@ -131,7 +136,10 @@ def run(job: Job, processes: int = 1, dist: Distributed | None = None) -> Outcom
     """Run the job's Locust child to its end (with ``dist``: a master, and its local workers
     when they are local); its log goes to the run directory."""
     run_dir = job.run_dir
-    job_file = job.save(run_dir / job.file_name())
+    try:
+        job_file = job.save(run_dir / job.file_name())
+    except OSError as exc:
+        raise rows.write_failed(run_dir, exc) from None
     dist = dist.resolved() if dist is not None else None
     cmd, limit = command(job, job_file, processes, dist)
     log_path = run_dir / f"locust-{job_file.stem.removeprefix('job-')}.log"
@@ -164,7 +172,28 @@ def run(job: Job, processes: int = 1, dist: Distributed | None = None) -> Outcom
             if spool is not None and not rows.shard_files(spool, recursive=True):
                 shutil.rmtree(spool, ignore_errors=True)  # all acknowledged: nothing to keep
             _scrub(log_path)
+    check_writes(run_dir, rc)
     return Outcome(rc, _error(log_path, rc, job), log_path)
+
+
+def check_writes(run_dir: Path, rc: int) -> None:
+    """Raise ``DiskFull`` when a write of the run's results failed: the child's own (its exit
+    code says so; its log, on the same disk, may not) or this process's."""
+    if rc == DISK_FULL_EXIT:
+        rows.write_failed(run_dir, OSError(errno.ENOSPC, "its load process could not write "
+                                                         "its records"))
+    err = rows.write_failure(run_dir)
+    if err is not None:
+        raise err
+
+
+def _stop_all_soon(err: DiskFull) -> None:
+    """A write failed (the disk is full): every Locust child stops now, from a thread of its
+    own (the failing thread is a collector's, or a job's that is waiting on its child)."""
+    threading.Thread(target=stop_all, name="kvbench-disk-full", daemon=True).start()
+
+
+rows.on_write_failure(_stop_all_soon)
 
 
 def _start_workers(dist: Distributed, run_dir: Path, logf, env: dict

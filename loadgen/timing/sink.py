@@ -11,6 +11,10 @@ to ``starts-<host>-<pid>.rows``, and the sidecar ``proc-<host>-<pid>.json`` is r
 each flush (``closed: false`` until the sink closes): a SIGKILL loses at most the last flush
 interval, and compaction turns the starts left without a record into ``cancelled`` ones
 (``kvbench.core.store.unfinished_starts``), converting the rows to Parquet.
+
+A write that fails (the disk is full: issue 33) ends the sink's writing: the shards keep every
+complete batch, nothing more is written, and the flush loop hands the ``DiskFull`` error to
+``ON_WRITE_FAILURE`` (the Locust hooks stop the load) on the event loop's own greenlet.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 from kvbench.core.contract import ProcMeta
+from kvbench.core.errors import DiskFull
 from kvbench.core.rows import (REQUEST_COLUMNS, START_COLUMNS, RowShardWriter, worker_name,
                                write_proc_meta)
 
@@ -33,6 +38,9 @@ FLUSH_INTERVAL_S = 0.5  # half the loss bound a kill may cost (one second), for 
 # works as before), and receives every batch (``put(kind, columns)``: the column lists in
 # ``kvbench.core.rows.COLUMNS[kind]`` order), sidecar and the close.
 FORWARD = None
+# Set by kvbench.loadgen.wiring.hooks: called once, on the event loop, with the ``DiskFull``
+# error of the sink's first failed write (the load stops); None: the failure is only kept.
+ON_WRITE_FAILURE = None
 
 
 class RecordSink:
@@ -44,6 +52,8 @@ class RecordSink:
                  use_threadpool: bool = True) -> None:
         self.forward = FORWARD if FORWARD is not None and FORWARD.spool(run_dir) else None
         self.run_dir = Path(self.forward.spool(run_dir) if self.forward else run_dir)
+        self.failure: DiskFull | None = None  # the first failed write: nothing more is written
+        self._told = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._shard = RowShardWriter(self.run_dir, "requests")
         self._shard.open()
@@ -108,23 +118,34 @@ class RecordSink:
 
     def _write(self, cols: list[list] | None, starts: list[list] | None = None,
                meta: ProcMeta | None = None) -> int:
-        n = 0
+        """Write one batch of each kind and the sidecar; after a failed write (``failure``),
+        nothing: the shards end at their last complete batch."""
         with self._lock:
-            if starts is not None:
-                self._starts_shard.write(starts)
-                if self.forward is not None:
-                    self.forward.put("starts", starts)
-            if cols is not None:
-                n = self._shard.write(cols)
-                if self.taps:
-                    batch = dict(zip(COLUMNS, cols))
-                    for tap in self.taps:
-                        tap(batch)
-                self.written += n
-                if self.forward is not None:
-                    self.forward.put("requests", cols)
-            if meta is not None:
-                self._write_meta(meta)
+            if self.failure is not None:
+                return 0
+            try:
+                return self._write_locked(cols, starts, meta)
+            except DiskFull as exc:
+                self.failure = exc
+                return 0
+
+    def _write_locked(self, cols, starts, meta) -> int:
+        n = 0
+        if starts is not None:
+            self._starts_shard.write(starts)
+            if self.forward is not None:
+                self.forward.put("starts", starts)
+        if cols is not None:
+            n = self._shard.write(cols)
+            if self.taps:
+                batch = dict(zip(COLUMNS, cols))
+                for tap in self.taps:
+                    tap(batch)
+            self.written += n
+            if self.forward is not None:
+                self.forward.put("requests", cols)
+        if meta is not None:
+            self._write_meta(meta)
         return n
 
     def flush(self) -> None:
@@ -136,6 +157,9 @@ class RecordSink:
         started = self.started  # as of the swap: requests begun while we wait are not in it
         if self._pending is not None:
             self._pending.get()  # keep batches in order
+        if self.failure is not None:
+            self._tell()
+            return
         meta = self._snapshot(closed=False, started=started)
         if self.use_threadpool:
             import gevent
@@ -149,7 +173,7 @@ class RecordSink:
         import gevent
 
         def loop():
-            while not self.closed:
+            while not self.closed and self.failure is None:
                 gevent.sleep(self.flush_interval_s)
                 if not self.closed:
                     self.flush()
@@ -157,8 +181,17 @@ class RecordSink:
         if self._loop is None:
             self._loop = gevent.spawn(loop)
 
+    def _tell(self) -> None:
+        """Hand the first failed write to ``ON_WRITE_FAILURE`` (once, on the event loop)."""
+        if self._told or self.failure is None:
+            return
+        self._told = True
+        if ON_WRITE_FAILURE is not None:
+            ON_WRITE_FAILURE(self.failure)
+
     def close(self) -> None:
-        """Write everything synchronously, end the stream and write the sidecar (idempotent)."""
+        """Write everything synchronously, end the stream and write the sidecar (idempotent;
+        after a failed write the shards are only closed, as they are on disk)."""
         if self.closed:
             return
         self.closed = True
@@ -175,7 +208,11 @@ class RecordSink:
         with self._lock:
             self._shard.close()
             self._starts_shard.close()
-            self._write_meta(self._snapshot(closed=True))
+            if self.failure is None:
+                try:
+                    self._write_meta(self._snapshot(closed=True))
+                except DiskFull as exc:
+                    self.failure = exc
         if self.forward is not None:
             self.forward.close()  # the master acknowledges the rest, or the spool stays
 

@@ -26,9 +26,10 @@ from locust.runners import (STATE_CLEANUP, STATE_RUNNING, STATE_SPAWNING, Master
 
 from kvbench.core import redact
 from kvbench.core.contract import Incomplete
-from kvbench.core.errors import UserError
+from kvbench.core.errors import DiskFull, UserError
 from kvbench.loadgen.fleet import distributed # noqa: F401 - issue 15: records over Locust messages
-from kvbench.loadgen.wiring.context import LoadContext, fail, get_context
+from kvbench.loadgen.timing import sink as record_sink
+from kvbench.loadgen.wiring.context import LoadContext, fail, get_context, log, quit_soon
 from kvbench.loadgen.plan.options import has_kvbench_options, job_from_options, run_dir, run_id
 from kvbench.runs import lifeline
 
@@ -59,6 +60,7 @@ def on_init(environment, **kw) -> None:
     classes = kvbench_users(environment)
     if not classes:
         return
+    record_sink.ON_WRITE_FAILURE = lambda exc: write_failed(environment, exc)
     _warm_inspect()
     if getattr(environment, "locustfile", None):  # Locust's own process, not a test's
         _lifeline()
@@ -85,6 +87,8 @@ def on_init(environment, **kw) -> None:
         ctx = get_context(environment, classes[0])
         if not environment.stop_timeout:
             environment.stop_timeout = ctx.drain_s
+    except DiskFull as exc:  # no space for its first record: the same sentence and code
+        write_failed(environment, exc)
     except UserError as exc:
         fail(environment, exc)
     # The build blocked the loop: refresh libev's cached clock, or Locust's --run-time timer
@@ -230,6 +234,8 @@ def _quit(environment) -> None:
     ctx: LoadContext | None = getattr(environment, "kvbench", None)
     if ctx is not None:
         ctx.close(why)
+        if ctx.sink.failure is not None:  # its last write, at the close, failed
+            write_failed(environment, ctx.sink.failure, quit=False)
     if not has_kvbench_options(o) or isinstance(runner, WorkerRunner) or not o.kvbench_run_id:
         return
     if ctx is None and not master and getattr(environment, "kvbench_error", None) is not None:
@@ -243,12 +249,15 @@ def _quit(environment) -> None:
                               MASTER_WAIT_S + (environment.stop_timeout or 0))
         except UserError:
             pass  # no job file to name the run: nothing was recorded
-    if o.kvbench_no_finalize or getattr(environment, "kvbench_finalized", False):
-        return
+    if o.kvbench_no_finalize or getattr(environment, "kvbench_finalized", False) or \
+            getattr(environment, "kvbench_write_failed", None):
+        return  # (a failed write: the disk is full, the shards wait for kvbench recover)
     environment.kvbench_finalized = True
     try:
         finalize_environment(environment, ctx, expected_procs=expected, wait_s=0.0,
                              interrupted=why)
+    except DiskFull as exc:
+        write_failed(environment, exc, quit=False)
     except UserError as exc:
         fail(environment, exc)
         return
@@ -265,6 +274,24 @@ def _rows(path) -> int | None:
         return store.read_table(path, "requests", columns=["request_id"]).num_rows
     except Exception:  # noqa: BLE001 - finalize has named what is damaged
         return None
+
+
+def write_failed(environment, exc: DiskFull, quit: bool = True) -> None:
+    """A write of the run's results failed (the disk is full, issue 33): say so in one
+    sentence, stop the load now (no drain: nothing more can be written) and exit with
+    ``DiskFull``'s code; the shards keep what was written, for ``kvbench recover``."""
+    if getattr(environment, "kvbench_write_failed", None) is not None:
+        return
+    environment.kvbench_write_failed = exc
+    if not getattr(environment, "kvbench_interrupt", None):
+        environment.kvbench_interrupt = "a write of its results failed"
+    environment.stop_timeout = 0
+    environment.process_exit_code = exc.exit_code
+    if not getattr(environment, "kvbench_reported", False):
+        environment.kvbench_reported = True  # one sentence: later errors are its echo
+        log.error("kvbench: error: %s", redact.redact(str(exc)))
+    if quit:
+        quit_soon(environment)
 
 
 def _pyarrow_without_pandas() -> None:
