@@ -26,23 +26,30 @@ def endpoint():
 
 
 def _master(config, results: str, port: int, *extra) -> list[str]:
-    """The master as a Locust user types it: no ship flag, no run id."""
+    """The master as a Locust user types it: no ship flag, no run id (``config`` None: no
+    --kvbench-config, the master's ./bench.toml)."""
+    given = ["--kvbench-config", str(config)] if config is not None else []
     return [sys.executable, "-m", "locust", "-f", str(H.ROOT / "loadgen" / "mix.py"),
             "--headless", "--master", "--master-bind-host", "127.0.0.1",
             "--master-bind-port", str(port), "--expect-workers", "2", "-u", "2", "-r", "2",
-            "-t", "40s", "--only-summary", "--kvbench-config", str(config),
+            "-t", "40s", "--only-summary", *given,
             "--kvbench-results", results, "--kvbench-endpoint", "emu",
             "--kvbench-workload", "chat", "--kvbench-profile", "open", *extra]
 
 
-def _run(tmp_path, url, results: str, *extra, worker_results: bool = True):
+def _run(tmp_path, url, results: str, *extra, worker_results: bool = True,
+         here_config: bool = False):
     master_dir, w_dirs = tmp_path / "master", [tmp_path / "w1", tmp_path / "w2"]
     for d in [master_dir] + w_dirs:
         d.mkdir()
     cfg = H.write_config(master_dir / "bench.toml", url, rate=12, duration=3)
+    if here_config:  # each worker's folder holds a bench.toml of its own: other prompts
+        for d in w_dirs:
+            (d / "bench.toml").write_text(cfg.read_text().replace("mean = 30", "mean = 90"))
     port = free_port()
     before = H.served(url)
-    m = H.popen(_master(cfg, results, port, *extra), cwd=master_dir, log=tmp_path / "master.log")
+    m = H.popen(_master(None if here_config else cfg, results, port, *extra), cwd=master_dir,
+                log=tmp_path / "master.log")
     ws = []
     for i, d in enumerate(w_dirs):
         # one worker names a private results folder of its own, the other none
@@ -97,3 +104,17 @@ def test_records_that_cannot_arrive_end_non_zero_with_one_sentence(endpoint, tmp
     assert line is not None, log[-3000:]
     assert "the workers sent" in line and "--kvbench-no-ship-records" in line
     assert "Traceback" not in log
+
+
+def test_the_masters_own_bench_toml_is_the_one_its_workers_use(endpoint, tmp_path):
+    """A master started beside a bench.toml (no --kvbench-config) sends its text to the
+    workers, as it does an explicit config's: workers in folders with a bench.toml of their
+    own (30-token prompts at the master, 90 in theirs) send the master's workload."""
+    rc, log, served, master_dir, _ = _run(tmp_path, endpoint, "results", here_config=True)
+    assert rc == 0, log[-3000:]
+    run_dir = _run_dir(master_dir / "results")
+    t = store.read_table(run_dir, "requests", columns=["request_class", "prompt_tokens_client"])
+    chat = [n for c, n in zip(t.column("request_class").to_pylist(),
+                              t.column("prompt_tokens_client").to_pylist()) if c == "chat"]
+    assert len(chat) == served > 10, log[-3000:]
+    assert max(chat) < 60, sorted(set(chat))  # the master's 30-token prompts, never 90
