@@ -1,0 +1,201 @@
+"""A server that streams without end, as fast as the socket takes it, cannot hold a request or
+a Locust run past its limits (issue 33): the stream is cut at the caps derived from the
+request's max_tokens (a protocol_error, the connection dropped), the request deadline fires on
+time although a read never finds the socket empty, and a plain ``locust -t 10s`` ends on time
+with the load process's memory bounded.
+
+The server is a separate process (so it competes with the client only for the cores, as a real
+one does) that writes pre-built blocks of events with ``sendall`` until the client goes away or
+its own limit (``LIMIT_S``) passes; the limit only keeps a failing run from going on forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
+from kvbench.loadgen.timing.openai import stream_caps
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# header x-flood: "tokens" (default; one token a chat delta), "role" (chat deltas that carry
+# no token: parsed and dropped, so memory stays flat and only the deadline can end it), "json"
+# (a 200 that is not an event stream, its body without end)
+SERVER = r"""
+import socket, sys, threading, time
+limit_s = float(sys.argv[1])
+ev = {b"tokens": b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n',
+      b"role": b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'}
+blocks = {k: b"%x\r\n%s\r\n" % (len(v) * 2000, v * 2000) for k, v in ev.items()}
+blocks[b"json"] = b"%x\r\n%s\r\n" % (65536, b"1," * 32768)
+def serve(c):
+    try:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            got = c.recv(65536)
+            if not got:
+                return
+            buf += got
+        head = buf.split(b"\r\n\r\n", 1)[0].lower()
+        if head.startswith(b"get /v1/models"):
+            body = b'{"data":[{"id":"m"}]}'
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            return
+        mode = b"tokens"
+        for line in head.split(b"\r\n"):
+            if line.startswith(b"x-flood:"):
+                mode = line.split(b":", 1)[1].strip()
+        ctype = b"application/json" if mode == b"json" else b"text/event-stream"
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: " + ctype +
+                  b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+        block = blocks[mode]
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            c.sendall(block)
+        c.sendall(b"0\r\n\r\n")  # the server's own limit: a failing client is not held forever
+    except OSError:
+        pass
+    finally:
+        c.close()
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 0)); s.listen(64)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def flood_server(limit_s: float):
+    p = subprocess.Popen([sys.executable, "-c", SERVER, str(limit_s)], stdout=subprocess.PIPE,
+                         text=True)
+    port = int(p.stdout.readline())
+    return p, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def server(request):
+    p, url = flood_server(getattr(request, "param", 30.0))
+    yield url
+    p.kill()
+    p.wait()
+
+
+def client(url: str, deadline_s: float = 60.0) -> StreamingClient:
+    return StreamingClient(ConnectionPool(Target.parse(url), read_timeout_s=deadline_s),
+                           deadline_s=deadline_s)
+
+
+@pytest.mark.parametrize("server", [3.0], indirect=True)
+def test_an_endless_stream_is_cut_at_the_max_tokens_cap(server):
+    """On main's client the whole stream is read (3 s of it here, the server's limit) and
+    every chunk kept: hundreds of thousands of offsets for a request of 100 tokens."""
+    chunks, _, _ = stream_caps(100)
+    assert chunks == 2 * 100 + 16
+    r = client(server).post_stream("/v1/chat/completions", b"{}", max_tokens=100)
+    assert r.status == "protocol_error", (r.status, r.error)
+    assert "more than max_tokens=100 allows" in r.error
+    assert f"{chunks:,} token-carrying chunks" in r.error
+    assert 0 < len(r.offsets_ns) <= chunks and len(r.tokens) == len(r.offsets_ns)
+    assert r.ttft_ns is not None and r.e2e_ns is not None
+
+
+@pytest.mark.parametrize("server", [3.0], indirect=True)
+def test_an_endless_stream_without_a_max_tokens_is_still_bounded(server):
+    chunks, nbytes, _ = stream_caps(None)
+    assert nbytes < 4 << 30
+    r = client(server).post_stream("/v1/chat/completions", b"{}")
+    assert r.status == "protocol_error", (r.status, r.error)
+    assert "no max_tokens" in r.error
+    assert len(r.offsets_ns) <= chunks
+
+
+def test_the_deadline_fires_while_the_server_never_pauses(server):
+    """Chunks that carry no token are parsed and dropped, so no cap applies: only the request
+    deadline (1 s) can end it. On main's client the reader never went back to the hub while
+    reads came back full, so the deadline's timer could not run: it read until the server's
+    limit (30 s)."""
+    t0 = time.monotonic()
+    r = client(server, deadline_s=1.0).post_stream(
+        "/v1/chat/completions", b"{}", headers={"x-flood": "role"}, max_tokens=1 << 20)
+    took = time.monotonic() - t0
+    assert r.status == "timeout", (r.status, r.error, took)
+    assert "did not end within 1 s (the request deadline)" in r.error
+    assert took < 1.0 + 10.0  # generous for a busy host; main's client took the server's 30 s
+
+
+def test_an_endless_body_that_is_not_a_stream_is_not_read_to_its_end(server):
+    t0 = time.monotonic()
+    r = client(server, deadline_s=20.0).post_stream(
+        "/v1/completions", b"{}", headers={"x-flood": "json"}, max_tokens=16)
+    assert r.status == "protocol_error" and "instead of an event stream" in r.error
+    assert time.monotonic() - t0 < 10.0  # cut after the first 64 KiB, not at the deadline
+
+
+MB = 1 << 20
+
+
+def test_plain_locust_against_an_endless_stream_ends_on_time_in_bounded_memory(tmp_path):
+    """The issue's run: plain ``locust -f loadgen/chat.py -t 10s`` against a server streaming
+    without end. Measured on main: 117 s and 5.4 GB; here the run must end well within 60 s
+    and the load process's peak RSS stay under 300 MB. A watchdog kills the load process past
+    1 GB or 100 s so that a failing run cannot take the host's memory (the test then fails)."""
+    p_srv, url = flood_server(90.0)
+    try:
+        t0 = time.monotonic()
+        p = subprocess.Popen(
+            [sys.executable, "-m", "locust", "-f", "loadgen/chat.py", "--headless", "--host", url,
+             "-u", "4", "-r", "4", "-t", "10s", "--only-summary", "--kvbench-model", "m",
+             "--kvbench-timeout", "60", "--kvbench-results", str(tmp_path),
+             "--kvbench-run-id", "flood"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        killed = []
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)
+        reader.start()
+
+        def watchdog():
+            while p.poll() is None:
+                try:
+                    status = Path(f"/proc/{p.pid}/status").read_text()
+                except OSError:
+                    return
+                rss_kb = int(status.split("VmRSS:")[1].split()[0]) if "VmRSS:" in status else 0
+                if rss_kb > 1 << 20 or time.monotonic() - t0 > 100:
+                    killed.append(f"killed at {rss_kb >> 10} MB after "
+                                  f"{time.monotonic() - t0:.0f} s")
+                    os.kill(p.pid, signal.SIGKILL)
+                    return
+                time.sleep(0.1)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.monotonic() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        reader.join(10)
+    finally:
+        p_srv.kill()
+        p_srv.wait()
+    text = "".join(out)
+    peak_mb = usage.ru_maxrss / 1024  # kB on Linux
+    print(f"plain locust -t 10s against an endless stream: {wall:.1f} s wall, "
+          f"peak RSS {peak_mb:.0f} MB")
+    assert not killed, (killed, text[-3000:])
+    assert wall < 60, (wall, text[-3000:])
+    assert peak_mb < 300, (peak_mb, text[-3000:])
+    t = pq.read_table(tmp_path / "flood" / "requests.parquet")
+    status = t.column("status").to_pylist()
+    assert status.count("protocol_error") >= 1, (status, text[-3000:])
+    errors = {e for e, s in zip(t.column("error").to_pylist(), status) if s == "protocol_error"}
+    assert all("the server sent more than max_tokens=" in e for e in errors), errors
+    assert set(status) <= {"protocol_error", "cancelled"}, set(status)
