@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -143,54 +144,63 @@ def test_an_endless_body_that_is_not_a_stream_is_not_read_to_its_end(server):
 
 
 MB = 1 << 20
+# Runs the load process and prints its own peak RSS. Measured from here, a child's ru_maxrss
+# would start at this test process's size: exec records the forked copy's high-water mark (the
+# kernel's setmax_mm_hiwater_rss), so the load process is the launcher's child, not pytest's.
+LAUNCHER = r"""
+import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:])
+_, status, usage = os.wait4(p.pid, 0)
+print("kvbench-test: load process peak RSS kB", usage.ru_maxrss, flush=True)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
 
 
 def test_plain_locust_against_an_endless_stream_ends_on_time_in_bounded_memory(tmp_path):
     """The issue's run: plain ``locust -f loadgen/chat.py -t 10s`` against a server streaming
     without end. Measured on main: 117 s and 5.4 GB; here the run must end well within 60 s
-    and the load process's peak RSS stay under 300 MB. A watchdog kills the load process past
-    1 GB or 100 s so that a failing run cannot take the host's memory (the test then fails)."""
+    and the load process's peak RSS stay under 300 MB. A watchdog kills the run past 1 GB or
+    100 s so that a failing run cannot take the host's memory (the test then fails)."""
     p_srv, url = flood_server(90.0)
+    killed = []
     try:
         t0 = time.monotonic()
         p = subprocess.Popen(
-            [sys.executable, "-m", "locust", "-f", "loadgen/chat.py", "--headless", "--host", url,
-             "-u", "4", "-r", "4", "-t", "10s", "--only-summary", "--kvbench-model", "m",
-             "--kvbench-timeout", "60", "--kvbench-results", str(tmp_path),
-             "--kvbench-run-id", "flood"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        killed = []
-        out: list[str] = []
-        reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)
-        reader.start()
+            [sys.executable, "-c", LAUNCHER, sys.executable, "-m", "locust", "-f",
+             "loadgen/chat.py", "--headless", "--host", url, "-u", "4", "-r", "4", "-t", "10s",
+             "--only-summary", "--kvbench-model", "m", "--kvbench-timeout", "60",
+             "--kvbench-results", str(tmp_path), "--kvbench-run-id", "flood"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
 
         def watchdog():
             while p.poll() is None:
+                rss_kb = 0
                 try:
-                    status = Path(f"/proc/{p.pid}/status").read_text()
-                except OSError:
-                    return
-                rss_kb = int(status.split("VmRSS:")[1].split()[0]) if "VmRSS:" in status else 0
+                    kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+                    for kid in kids:
+                        status = Path(f"/proc/{kid}/status").read_text()
+                        rss_kb = max(rss_kb, int(status.split("VmRSS:")[1].split()[0]))
+                except (OSError, IndexError, ValueError):
+                    pass
                 if rss_kb > 1 << 20 or time.monotonic() - t0 > 100:
                     killed.append(f"killed at {rss_kb >> 10} MB after "
                                   f"{time.monotonic() - t0:.0f} s")
-                    os.kill(p.pid, signal.SIGKILL)
+                    os.killpg(p.pid, signal.SIGKILL)
                     return
                 time.sleep(0.1)
 
         threading.Thread(target=watchdog, daemon=True).start()
-        _, status, usage = os.wait4(p.pid, 0)
+        text = p.communicate()[0]
         wall = time.monotonic() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-        reader.join(10)
     finally:
         p_srv.kill()
         p_srv.wait()
-    text = "".join(out)
-    peak_mb = usage.ru_maxrss / 1024  # kB on Linux
+    peak = [ln for ln in text.splitlines() if ln.startswith("kvbench-test: load process peak")]
+    assert not killed and peak, (killed, text[-3000:])
+    peak_mb = int(peak[0].split()[-1]) / 1024
     print(f"plain locust -t 10s against an endless stream: {wall:.1f} s wall, "
           f"peak RSS {peak_mb:.0f} MB")
-    assert not killed, (killed, text[-3000:])
     assert wall < 60, (wall, text[-3000:])
     assert peak_mb < 300, (peak_mb, text[-3000:])
     t = pq.read_table(tmp_path / "flood" / "requests.parquet")
@@ -199,3 +209,81 @@ def test_plain_locust_against_an_endless_stream_ends_on_time_in_bounded_memory(t
     errors = {e for e, s in zip(t.column("error").to_pylist(), status) if s == "protocol_error"}
     assert all("the server sent more than max_tokens=" in e for e in errors), errors
     assert set(status) <= {"protocol_error", "cancelled"}, set(status)
+
+
+# -- the other reads of a load process or ``kvbench run``: /metrics scrapes, the model lookup
+
+
+class Endless(BaseHTTPRequestHandler):
+    """``/fast``: 40 MiB as fast as the socket takes it (more than any cap; the end only keeps
+    a failing client from filling memory); ``/drip``: two bytes every 50 ms for 20 s."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        drip = "drip" in self.path
+        chunk = b"1," if drip else b"1," * 32768
+        end = time.monotonic() + 20
+        sent = 0
+        try:
+            while sent < 40 * MB and time.monotonic() < end:
+                self.wfile.write(chunk)
+                self.wfile.flush()
+                sent += len(chunk)
+                if drip:
+                    time.sleep(0.05)
+        except OSError:
+            pass  # the client went away
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def endless():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def scraper(url: str, timeout_s: float = 5.0):
+    from kvbench.collectors.prometheus import PrometheusScraper
+
+    got = []
+    return PrometheusScraper("e", url, engine_emit=got.append, timeout_s=timeout_s,
+                             log=lambda msg: None)
+
+
+def test_a_metrics_page_without_end_is_cut_at_16_mib(endless):
+    from kvbench.collectors.prometheus import METRICS_MAX_BYTES
+
+    s = scraper(endless + "/metrics/fast")
+    assert s.scrape_once() is False
+    assert f"more than {METRICS_MAX_BYTES:,} bytes" in s.last_error
+    assert METRICS_MAX_BYTES == 16 * MB
+
+
+def test_a_metrics_page_that_trickles_is_cut_at_the_scrape_deadline(endless):
+    """Each wait for bytes is 50 ms, so urllib's own timeout (1 s) never fires; the scrape's
+    deadline does. On main's scraper the read lasted the server's 20 s."""
+    s = scraper(endless + "/metrics/drip", timeout_s=1.0)
+    t0 = time.monotonic()
+    assert s.scrape_once() is False
+    assert time.monotonic() - t0 < 10
+    assert "still answering" in s.last_error
+
+
+def test_the_model_lookup_of_plain_locust_is_bounded(endless):
+    from kvbench.core.errors import UserError
+    from kvbench.runs.job import first_model
+
+    with pytest.raises(UserError, match="more than 1,048,576 bytes"):
+        first_model(endless + "/fast")
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="still answering"):
+        first_model(endless + "/drip")
+    assert time.monotonic() - t0 < 10 + 10  # its deadline is 10 s; the server drips for 20
