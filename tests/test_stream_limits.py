@@ -32,14 +32,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # no token: parsed and dropped, so memory stays flat and only the deadline can end it), "json"
 # (a 200 that is not an event stream, its body without end)
 SERVER = r"""
-import socket, sys, threading, time
+import socket, ssl, sys, threading, time
 limit_s = float(sys.argv[1])
+tls = None
+if len(sys.argv) > 2:  # certificate and key files: answer over TLS
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(sys.argv[2], sys.argv[3])
 ev = {b"tokens": b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n',
       b"role": b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'}
 blocks = {k: b"%x\r\n%s\r\n" % (len(v) * 2000, v * 2000) for k, v in ev.items()}
 blocks[b"json"] = b"%x\r\n%s\r\n" % (65536, b"1," * 32768)
 def serve(c):
     try:
+        if tls is not None:
+            c = tls.wrap_socket(c, server_side=True)
         buf = b""
         while b"\r\n\r\n" not in buf:
             got = c.recv(65536)
@@ -77,11 +83,11 @@ while True:
 """
 
 
-def flood_server(limit_s: float):
-    p = subprocess.Popen([sys.executable, "-c", SERVER, str(limit_s)], stdout=subprocess.PIPE,
-                         text=True)
+def flood_server(limit_s: float, *tls_files: str):
+    p = subprocess.Popen([sys.executable, "-c", SERVER, str(limit_s), *tls_files],
+                         stdout=subprocess.PIPE, text=True)
     port = int(p.stdout.readline())
-    return p, f"http://127.0.0.1:{port}"
+    return p, f"{'https' if tls_files else 'http'}://127.0.0.1:{port}"
 
 
 @pytest.fixture
@@ -93,8 +99,8 @@ def server(request):
 
 
 def client(url: str, deadline_s: float = 60.0) -> StreamingClient:
-    return StreamingClient(ConnectionPool(Target.parse(url), read_timeout_s=deadline_s),
-                           deadline_s=deadline_s)
+    return StreamingClient(ConnectionPool(Target.parse(url), read_timeout_s=deadline_s,
+                                          verify_tls=False), deadline_s=deadline_s)
 
 
 @pytest.mark.parametrize("server", [3.0], indirect=True)
@@ -133,6 +139,29 @@ def test_the_deadline_fires_while_the_server_never_pauses(server):
     assert r.status == "timeout", (r.status, r.error, took)
     assert "did not end within 1 s (the request deadline)" in r.error
     assert took < 1.0 + 10.0  # generous for a busy host; main's client took the server's 30 s
+
+
+def test_the_deadline_fires_over_tls_too(tmp_path):
+    """TLS reads go through gevent's own recv, which returns without yielding while bytes are
+    buffered: the same flood, the same deadline (on main's client: the server's 30 s)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True, timeout=60)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("openssl cannot make a test certificate here")
+    p, url = flood_server(30.0, str(cert), str(key))
+    try:
+        t0 = time.monotonic()
+        r = client(url, deadline_s=1.0).post_stream(
+            "/v1/chat/completions", b"{}", headers={"x-flood": "role"}, max_tokens=1 << 20)
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+        p.wait()
+    assert r.status == "timeout", (r.status, r.error, took)
+    assert took < 1.0 + 10.0
 
 
 def test_an_endless_body_that_is_not_a_stream_is_not_read_to_its_end(server):

@@ -578,11 +578,10 @@ class StreamingClient:
                 complete = True
             if complete:
                 break
-            if len(data) < RECV_BYTES:  # drained: sleep until readable (TLS: recv does)
+            if wait is not None and len(data) < RECV_BYTES:  # drained: sleep until readable
                 streak = 0
-                if wait is not None:
-                    wait()
-            elif not streak:
+                wait()
+            elif not streak:  # (TLS reads return a record at most: timed from every read)
                 streak = t
             elif t - streak > YIELD_NS:  # a server sending without pause: let the hub run
                 streak = 0
