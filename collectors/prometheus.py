@@ -27,6 +27,38 @@ from kvbench.core.schema import ENGINE, GPU
 from kvbench.engines import EngineAdapter, detect, get
 
 MIB = 1024 * 1024
+# The most one /metrics page may hold. Real pages are a few hundred KB (vLLM's histograms per
+# model and LoRA adapter, DCGM's fields per GPU of an 8-GPU host) to a few MB (a router or
+# multi-model server labelling every series per replica): 16 MiB leaves room for those, while
+# an answer that never ends is cut within a second of reads instead of filling memory.
+METRICS_MAX_BYTES = 16 * MIB
+
+
+def read_bounded(resp, url: str, max_bytes: int, deadline: float) -> bytes:
+    """The body of ``resp`` (an open urllib response), at most ``max_bytes`` and read by the
+    monotonic ``deadline``: urllib's timeout covers only each wait for bytes, so a server that
+    keeps sending never trips it. A breach raises ``ValueError`` or ``TimeoutError``."""
+    body = bytearray()
+    while True:
+        part = resp.read1(65536)
+        if not part:
+            return bytes(body)
+        body += part
+        if len(body) > max_bytes:
+            raise ValueError(f"{url} answered more than {max_bytes:,} bytes (the client's "
+                             "limit; a server streaming without end?)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} was still answering after its deadline")
+
+
+def get_bounded(url: str, headers: dict | None = None, timeout_s: float = 10.0,
+                max_bytes: int = METRICS_MAX_BYTES) -> str:
+    """One GET of a text page (``/metrics``), whole within ``timeout_s`` and ``max_bytes``."""
+    deadline = time.monotonic() + timeout_s
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        body = read_bounded(resp, url, max_bytes, deadline)
+        return body.decode(resp.headers.get_content_charset() or "utf-8", "replace")
 
 # dcgm-exporter series -> (gpu column, factor). Units from the DCGM field reference:
 # FB_* in MiB, POWER_USAGE in W, SM_CLOCK in MHz, GPU_TEMP in C, PROF_PCIE_*_BYTES in bytes/s,
@@ -163,8 +195,9 @@ class PrometheusScraper:
         req = urllib.request.Request(self.url, headers={"Accept": "text/plain", **self.headers})
         try:
             t0 = time.time_ns()
+            deadline = time.monotonic() + self.timeout_s
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read()
+                body = read_bounded(resp, self.url, METRICS_MAX_BYTES, deadline)
                 charset = resp.headers.get_content_charset() or "utf-8"
             t1 = time.time_ns()
             engine, gpu = parse_metrics(body.decode(charset, "replace"), t_ns=(t0 + t1) // 2,

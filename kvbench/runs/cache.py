@@ -34,6 +34,8 @@ def reset(url: str, adapter: engines.EngineAdapter, headers: dict) -> tuple[bool
     call = adapter.reset_cache
     if call is None:
         return False, f"{adapter.title} has no cache-reset call"
+    from kvbench.collectors.prometheus import read_bounded
+
     paths = [call.path]
     if adapter.list_slots is not None:  # llama.cpp: one erase per slot
         try:
@@ -51,7 +53,7 @@ def reset(url: str, adapter: engines.EngineAdapter, headers: dict) -> tuple[bool
                                      headers=dict(headers))
         try:
             with urllib.request.urlopen(req, timeout=RESET_TIMEOUT_S) as r:
-                r.read()
+                read_bounded(r, url + path, 1 << 20, time.monotonic() + RESET_TIMEOUT_S)
         except _HTTP_ERRORS as exc:
             return False, f"{call.method} {path} failed ({_why(exc)}; {call.note})"
     shown = paths[0] if len(paths) == 1 else f"{call.path} for {len(paths)} slots"
@@ -76,12 +78,10 @@ def read_counters(metrics_url: str, adapter: engines.EngineAdapter,
     hits served from offload tiers below HBM (the first of ``adapter.tier_hits`` published;
     None: none is); ``tier_capacity_tokens``: those tiers' KV per replica, where the engine
     publishes it."""
-    from kvbench.collectors.prometheus import parse_metrics
+    from kvbench.collectors.prometheus import get_bounded, parse_metrics
 
     try:
-        req = urllib.request.Request(metrics_url, headers=dict(headers))
-        with urllib.request.urlopen(req, timeout=10) as r:
-            text = r.read().decode("utf-8", "replace")
+        text = get_bounded(metrics_url, dict(headers), timeout_s=10)
         batch, _ = parse_metrics(text, t_ns=time.time_ns(), endpoint="")
     except (urllib.error.URLError, OSError, ValueError):
         return None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -215,8 +214,9 @@ def load_factory(spec: str):
 def first_model(url: str) -> str:
     """The first model the server's /v1/models lists."""
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-            data = json.loads(r.read())
+        from kvbench.runs.preflight import http_json  # bounded: a never-ending answer is cut
+
+        data = http_json(url + "/v1/models", timeout=10)
         return data["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001 - any failure means: tell the user
         raise UserError(unreachable(url, exc) or f"{url}/v1/models did not name a model "

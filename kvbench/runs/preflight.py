@@ -102,9 +102,9 @@ def adapter_for(ep, url: str, headers: dict | None = None) -> engines.EngineAdap
                             f"one of {sorted(a.name for a in engines.adapters())}") from exc
     metrics_url = getattr(ep, "metrics_url", None) or url + "/metrics"
     try:
-        req = urllib.request.Request(metrics_url, headers=headers or {})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            text = r.read().decode("utf-8", "replace")
+        from kvbench.collectors.prometheus import get_bounded
+
+        text = get_bounded(metrics_url, headers, timeout_s=10)
         found = engines.detect(_metric_names(text))
     except (urllib.error.URLError, OSError, ValueError):
         found = None

@@ -22,7 +22,7 @@ import gevent
 from gevent import socket as gsocket
 from gevent.hub import get_hub
 
-from kvbench.loadgen.timing.openai import StreamState, error_message
+from kvbench.loadgen.timing.openai import StreamState, error_message, stream_caps
 from kvbench.loadgen.timing.sse import MAX_LINE_BYTES, SSEParser
 
 log = logging.getLogger("kvbench.loadgen")
@@ -37,6 +37,9 @@ ERROR_BODY_BYTES = 65536
 # max_line_bytes=...)`` changes them; the SSE line limit (16 MiB) is ``sse.MAX_LINE_BYTES``.
 MAX_HEADER_BYTES = 64 << 10  # status line and headers together; real servers send < 2 KiB
 MAX_CHUNK_LINE_BYTES = 4096  # a chunk-size line (hex size plus extensions)
+# Back to the hub after this long of reads that each filled the buffer (a server sending
+# without pause): the request deadline, Locust's -t and stop, and the other users then run.
+YIELD_NS = 2_000_000
 
 # Response headers of the built-in endpoints (ms floats) -> record columns (ns).
 SERVER_MS_HEADERS = {
@@ -379,8 +382,10 @@ class StreamingClient:
 
     def post_stream(self, path: str, body: bytes, *, keep_text: bool = False,
                     headers: dict[str, str] | None = None, res: Result | None = None,
-                    request_id: str | None = None) -> Result:
-        """POST ``body`` to ``path`` and read the SSE response to its end (or failure).
+                    request_id: str | None = None, max_tokens: int | None = None) -> Result:
+        """POST ``body`` to ``path`` and read the SSE response to its end (or failure);
+        a stream longer than ``max_tokens`` allows (``openai.stream_caps``) is cut as a
+        ``protocol_error``.
 
         Never raises for request failures (they become the result's status); re-raises
         ``GreenletExit`` after marking ``res`` (pass your own) cancelled so the caller can
@@ -395,12 +400,13 @@ class StreamingClient:
         head = (f"POST {self.pool.target.base_path}{path} HTTP/1.1\r\n{self._head_tail}{extra}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
         payload = head + body
+        caps = stream_caps(max_tokens)
         timer = DeadlineExceeded.start_new(self.deadline_s)
         conn = None
         try:
             conn, res.connect_ns = self.pool.acquire()
             try:
-                conn = self._exchange(conn, payload, res, keep_text)
+                conn = self._exchange(conn, payload, res, keep_text, caps)
             except _Stale:
                 # The server closed the pooled connection before answering; ``t_sent`` becomes
                 # the resend's and ``connect_ns`` adds the new connection's setup.
@@ -410,7 +416,7 @@ class StreamingClient:
                 t0 = _mono()
                 conn = self.pool.open()
                 res.connect_ns += _mono() - t0
-                conn = self._exchange(conn, payload, res, keep_text)
+                conn = self._exchange(conn, payload, res, keep_text, caps)
         except DeadlineExceeded as exc:
             if exc is not timer:
                 raise
@@ -440,8 +446,8 @@ class StreamingClient:
             self.pool.release(conn)
         return res
 
-    def _exchange(self, conn: Connection, payload: bytes, res: Result,
-                  keep_text: bool) -> Connection | None:
+    def _exchange(self, conn: Connection, payload: bytes, res: Result, keep_text: bool,
+                  caps: tuple[int, int, str]) -> Connection | None:
         """One request/response on ``conn``; returns the connection if it can be reused."""
         sock = conn.sock
         reused = conn.pooled
@@ -455,7 +461,7 @@ class StreamingClient:
             raise
         rwatch = conn.rwatch
         if rwatch is None:  # TLS: gevent's recv (a timer per wait is its read timeout)
-            return self._read(conn, res, keep_text, t0, reused, sock.recv, None, None)
+            return self._read(conn, res, keep_text, t0, reused, sock.recv, None, None, caps)
         # The watcher stays started for the whole response and resumes this greenlet when the
         # socket is readable; the loop below yields only through ``wait`` (the hub), so no
         # other wakeup can reach it. Cheaper than a Waiter and a watcher start/stop a read.
@@ -463,12 +469,12 @@ class StreamingClient:
         idle = _IdleTimer(conn.hub.loop, self.pool.read_timeout_s, t0)
         try:
             return self._read(conn, res, keep_text, t0, reused, conn.raw.recv, conn.hub.switch,
-                              idle)
+                              idle, caps)
         finally:
             rwatch.stop()
             idle.close()
 
-    def _read(self, conn, res, keep_text, t0, reused, recv, wait, idle):
+    def _read(self, conn, res, keep_text, t0, reused, recv, wait, idle, caps):
         """Reads and accounts for the response; ``wait`` (None for TLS) yields until the raw
         socket is readable, ``recv`` then never blocks."""
         buf = b""
@@ -536,11 +542,12 @@ class StreamingClient:
         ctype = headers.get(b"content-type", b"").lower()
         streaming = status == 200 and b"text/event-stream" in ctype
         parser = SSEParser(self.max_line_bytes)
-        state = StreamState(t0, keep_text, self.tokenizer)
+        state = StreamState(t0, keep_text, self.tokenizer, caps)
         res.offsets_ns, res.tokens = state.offsets_ns, state.tokens  # kept if it fails midway
         errbody = []
         complete = False
         data = rest
+        got_bytes, streak = 0, 0  # body bytes so far; when the current run of full reads began
         while True:
             if data:
                 if dechunk is not None:
@@ -553,19 +560,33 @@ class StreamingClient:
                 else:
                     body = data
                 if body:
+                    got_bytes += len(body)
                     if streaming:
                         evs = parser.feed(body)
                         if evs:
                             state.on_events(evs, t)
-                    elif sum(map(len, errbody)) < ERROR_BODY_BYTES:
+                        if state.cut or got_bytes > caps[1]:
+                            state.cut_at(got_bytes)  # the rest is not read: the link is dropped
+                            complete = keep = False
+                            break
+                    elif got_bytes - len(body) < ERROR_BODY_BYTES:
                         errbody.append(body)
+                    else:  # a non-stream body past what its message needs: not read further
+                        complete = keep = False
+                        break
             elif left == 0 and dechunk is None:
                 complete = True
             if complete:
                 break
+            if wait is not None and len(data) < RECV_BYTES:  # drained: sleep until readable
+                streak = 0
+                wait()
+            elif not streak:  # (TLS reads return a record at most: timed from every read)
+                streak = t
+            elif t - streak > YIELD_NS:  # a server sending without pause: let the hub run
+                streak = 0
+                (wait or gevent.sleep)()
             if wait is not None:
-                if len(data) < RECV_BYTES:  # drained: sleep until readable, then one recv
-                    wait()
                 try:
                     data = recv(RECV_BYTES)
                 except BlockingIOError:  # a spurious wakeup

@@ -25,6 +25,14 @@ import orjson
 from orjson import JSONDecodeError
 from orjson import loads as _loads
 
+# What a stream may hold before the client cuts it (a protocol_error, the connection dropped):
+# token-carrying chunks up to TOKEN_MARGIN x max_tokens + TOKEN_SLACK, and body bytes up to
+# CHUNK_BYTES per such chunk + BYTES_SLACK (a vLLM chunk is about 300 bytes; logprobs add a few
+# KB). A request without a max_tokens is held to UNKNOWN_MAX_TOKENS.
+TOKEN_MARGIN, TOKEN_SLACK = 2, 16
+CHUNK_BYTES, BYTES_SLACK = 8192, 1 << 20
+UNKNOWN_MAX_TOKENS = 131072
+
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -48,6 +56,16 @@ def request_body(req, model: str, *, include_usage: bool = True, ignore_eos: boo
     if extra:
         body.update(extra)
     return orjson.dumps(body)
+
+
+def stream_caps(max_tokens: int | None) -> tuple[int, int, str]:
+    """``(chunks, bytes, what)``: the most token-carrying chunks and body bytes a stream for
+    ``max_tokens`` may send, and the limit in words for the error."""
+    given = max_tokens is not None and max_tokens > 0
+    n = int(max_tokens) if given else UNKNOWN_MAX_TOKENS
+    chunks = TOKEN_MARGIN * n + TOKEN_SLACK
+    what = f"max_tokens={n:,}" if given else f"no max_tokens (held to {n:,})"
+    return chunks, chunks * CHUNK_BYTES + BYTES_SLACK, what
 
 
 def error_message(body: bytes, limit: int = 200) -> str:
@@ -150,9 +168,11 @@ class StreamState:
 
     __slots__ = ("t0_ns", "offsets_ns", "tokens", "done", "finish_reason", "finish_offset_ns",
                  "prompt_tokens", "completion_tokens", "cached_tokens", "error", "bad",
-                 "keep_text", "parts", "chunks", "tokenizer", "completion_tokens_client")
+                 "keep_text", "parts", "chunks", "tokenizer", "completion_tokens_client",
+                 "caps", "cut")
 
-    def __init__(self, t0_ns: int, keep_text: bool = False, tokenizer=None) -> None:
+    def __init__(self, t0_ns: int, keep_text: bool = False, tokenizer=None,
+                 caps: tuple[int, int, str] | None = None) -> None:
         self.t0_ns = t0_ns
         self.offsets_ns: list[int] = []
         self.tokens: list[int] = []
@@ -169,6 +189,8 @@ class StreamState:
         self.chunks = 0  # data events seen, token-carrying or not
         self.tokenizer = tokenizer
         self.completion_tokens_client: int | None = None
+        self.caps = caps or stream_caps(None)  # see ``stream_caps``
+        self.cut = False  # more chunks than the caps allow: the caller stops reading
 
     def on_events(self, events: list, t_ns: int) -> None:
         """Account for the events of one socket read that arrived at monotonic ``t_ns``."""
@@ -226,6 +248,23 @@ class StreamState:
             self.offsets_ns.append(offset_ns)
             self.tokens.append(1)
             self.parts.append(text)  # normalised at settle time, not here
+        if len(self.offsets_ns) > self.caps[0]:
+            self.cut_at(None)
+
+    def cut_at(self, body_bytes: int | None) -> None:
+        """The stream broke the caps (chunks, or ``body_bytes`` past the byte cap): a
+        protocol error naming the limit; the chunks beyond the cap are dropped."""
+        chunks, nbytes, what = self.caps
+        if not self.cut:
+            self.cut = True
+            if body_bytes is None or len(self.offsets_ns) > chunks:
+                over = (f"{chunks:,} token-carrying chunks (the client's cut: {TOKEN_MARGIN} x "
+                        f"max_tokens + {TOKEN_SLACK})")
+            else:
+                over = (f"{nbytes:,} bytes (the client's cut: {CHUNK_BYTES:,} bytes per "
+                        "allowed chunk + 1 MiB)")
+            self.bad = f"the server sent more than {what} allows: over {over}"
+        del self.offsets_ns[chunks:], self.tokens[chunks:], self.parts[chunks:]
 
     def _usage(self, usage: dict) -> None:
         pt = usage.get("prompt_tokens")

@@ -222,7 +222,7 @@ class LoadContext:
             t_scheduled_ns if t_scheduled_ns is not None else now, now))
         try:
             client.post_stream(request_path(req), body, keep_text=keep_text, res=res,
-                               request_id=req.request_id)
+                               request_id=req.request_id, max_tokens=req.max_tokens)
         finally:
             if res.t_sent_ns == 0:
                 res.t_sent_ns = time.time_ns()
