@@ -321,3 +321,54 @@ def test_compaction_on_a_full_disk_keeps_its_shards(tmp_path):
         assert compact(run, "requests") == n and not shard_files(run, "requests")
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_the_otlp_receiver_answers_507_at_a_full_disk(tmp_path, capfd):
+    """A span export that cannot be written (the run's disk is full) is answered 507
+    Insufficient Storage, the failure noted for the run (which stops its load and says so in
+    one sentence), and no handler thread prints a traceback."""
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest)
+
+    from kvbench.core import rows
+    from kvbench.runs.otlp import OtlpReceiver
+
+    disk = _small_tmpfs(tmp_path, 64)
+    try:
+        run = disk / "run"
+        req = ExportTraceServiceRequest()
+        spans = req.resource_spans.add().scope_spans.add()
+        for i in range(300):
+            s = spans.spans.add()
+            s.trace_id, s.span_id, s.name = os.urandom(16), os.urandom(8), "llm_request"
+            s.start_time_unix_nano, s.end_time_unix_nano = 1, 2
+            a = s.attributes.add()
+            a.key, a.value.string_value = "gen_ai.request.id", os.urandom(40).hex()
+        body = req.SerializeToString()
+        rec = OtlpReceiver(run, port=0).start()
+        try:
+            (disk / "pad").write_bytes(b"\0" * max(0, os.statvfs(disk).f_bavail
+                                                     * os.statvfs(disk).f_frsize - 4096))
+            codes = []
+            for _ in range(3):
+                r = urllib.request.Request(rec.url, data=body, method="POST", headers={
+                    "Content-Type": "application/x-protobuf"})
+                try:
+                    with urllib.request.urlopen(r, timeout=10) as resp:
+                        codes.append(resp.status)
+                except urllib.error.HTTPError as exc:
+                    codes.append(exc.code)
+        finally:
+            rec._server.shutdown()
+            rec._server.server_close()
+            rec._server = None
+        assert 507 in codes, codes
+        assert rows.write_failure(run) is not None  # noted: the run stops and says so
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        rows._failures.clear()
+        subprocess.run(["umount", "-l", str(disk)])

@@ -17,6 +17,7 @@ import zlib
 
 import pyarrow as pa
 
+from kvbench.core.errors import DiskFull
 from kvbench.core.schema import SPANS
 from kvbench.core.store import ShardWriter, compact
 
@@ -139,7 +140,10 @@ class OtlpReceiver:
             self.exports += 1
             self.last_export = time.monotonic()
             if rows:
-                self._writer.write(pa.RecordBatch.from_pylist(rows, schema=SPANS))
+                try:
+                    self._writer.write(pa.RecordBatch.from_pylist(rows, schema=SPANS))
+                except DiskFull as exc:  # noted for the run (it stops its load and says so)
+                    return self._answer(h, 507, str(exc)[:200])
                 self.spans += len(rows)
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
             ExportTraceServiceResponse,
