@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from kvbench.collectors.agent_conn import GuardedHandler, Limits, check_token, guarded_server
 from kvbench.collectors.nvml import NvmlSampler
+from kvbench.collectors.prometheus import read_bounded
 from kvbench.collectors.roles import role_for
 from kvbench.core.contract import Incomplete
 from kvbench.core.errors import UserError
@@ -47,6 +48,11 @@ from kvbench.core.schema import GPU
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 DEFAULT_TOKEN_ENV = "KVBENCH_AGENT_TOKEN"
+# One pull from an agent, whole: at most this many bytes (an hour of 8 GPUs sampled at 10 Hz
+# is about 30 MB of rows), read within this many read timeouts, so an agent (or something else
+# at its address) that sends without end is cut instead of filling the puller's memory
+PULL_MAX_BYTES = 256 << 20
+PULL_DEADLINES = 4
 
 
 def is_loopback(host: str) -> bool:
@@ -259,8 +265,9 @@ class AgentPuller:
         """(body, headers) of one GET; headers look up case-insensitively."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         req = urllib.request.Request(self.url + path, headers=headers)
+        deadline = time.monotonic() + PULL_DEADLINES * self.timeout_s
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            return resp.read(), resp.headers
+            return read_bounded(resp, self.url + path, PULL_MAX_BYTES, deadline), resp.headers
 
     def _fail(self, exc: BaseException) -> None:
         self.failures += 1

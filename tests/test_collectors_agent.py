@@ -160,3 +160,39 @@ def test_puller_notices_an_agent_restart():
     finally:
         agent.stop()
     assert "restarted 1 time" in p.incomplete()[0].why
+
+
+def test_a_pull_that_never_ends_is_cut_not_held(monkeypatch):
+    """Something at the agent's address that answers /samples without end (as fast as the
+    socket takes it) costs one failed pull within its deadline and a bounded buffer: the
+    puller records the failure and goes on, its memory never the stream's length."""
+    import http.server
+    import threading
+
+    from kvbench.collectors import agent as A
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+            chunk = b"x" * 65536
+            try:
+                while True:
+                    self.wfile.write(chunk)
+            except OSError:
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setattr(A, "PULL_MAX_BYTES", 4 << 20)
+    try:
+        p = AgentPuller(f"http://127.0.0.1:{srv.server_port}", emit=lambda b: None,
+                        log=lambda m: None, timeout_s=30.0)
+        assert p.pull_once() is False and p.failures == 1
+        assert "4,194,304 bytes" in p.last_error, p.last_error
+    finally:
+        srv.shutdown()
+        srv.server_close()
