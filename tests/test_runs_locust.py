@@ -52,8 +52,7 @@ def test_kvbench_locustfile_options_lists_every_option_locust_gets():
 
     from locust import argument_parser
 
-    import kvbench.loadgen.fleet.distributed  # noqa: F401 - their listeners, as a locustfile
-    import kvbench.loadgen.plan.options  # noqa: F401
+    import kvbench.loadgen.user  # noqa: F401 - every listener a shipped locustfile registers
 
     parser = argument_parser.get_parser()
     ours = {a.option_strings[0]: a for a in parser._actions

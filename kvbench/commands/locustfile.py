@@ -16,18 +16,18 @@ def add_parser(p) -> None:
 
 
 def options_help() -> str:
-    """The help of every ``--kvbench-*`` option, as Locust's parser would print it: the
-    locustfiles' own listeners fill a parser of Locust's kind."""
+    """The help of every ``--kvbench-*`` option, as Locust's parser would print it: what a
+    locustfile imports is imported, and every listener it registers fills a parser of
+    Locust's kind."""
+    from locust import events
     from locust.argument_parser import LocustArgumentParser
 
-    from kvbench.loadgen.fleet import distributed
-    from kvbench.loadgen.plan import options
+    import kvbench.loadgen.user  # noqa: F401 - what every shipped locustfile imports
 
     parser = LocustArgumentParser(prog="locust -f LOCUSTFILE", add_help=False,
                                   description="kvbench's options to locust (each also reads "
                                               "the environment variable shown)")
-    options.add_arguments(parser)
-    distributed.add_arguments(parser)
+    events.init_command_line_parser.fire(parser=parser)
     return parser.format_help()
 
 
