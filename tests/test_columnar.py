@@ -1,0 +1,206 @@
+"""The out-of-core aggregates (reports.statistics.columnar, on DuckDB) equal the in-memory
+request frame's: counts to the last digit, exact percentiles to float rounding, numpy's linear
+percentile as the reference. Fixture runs from tests/synthetic.py, and hypothesis-made record
+sets with nulls, errors, cancelled requests, empty and single-chunk lists."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvbench.core.schema import REQUESTS
+from kvbench.core.shards import ShardWriter
+from kvbench.reports.measures import data
+from kvbench.reports.statistics import columnar as C
+from kvbench.reports.statistics import metrics as M
+from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
+
+pytest.importorskip("duckdb")
+
+NAMES = [f"{m}_{p}" for m in C.LATENCIES for p in C.QUANTILES]
+
+
+def _frame_counts(frame, keys):
+    """The report's counts per group: ``outcomes`` and the flags the goodput metrics read."""
+    rows = {}
+    for key, sub in frame.groupby(list(keys), observed=True, sort=True):
+        o = M.outcomes(sub)
+        failed = M.failed(sub)
+        row = {"requests": o["requests"], "ok": o["ok"], "errors": o["errors"],
+               "cancelled": o["cancelled"], "judged": int(M.judged(sub).sum()),
+               "met": int(M.met_slo(sub).sum())}
+        status = sub["status"].astype(object).to_numpy()
+        for s in C.ERROR_STATUSES:
+            row[f"errors_{s}"] = int((failed & (status == s)).sum())
+        rows[key if isinstance(key, tuple) else (key,)] = row
+    return rows
+
+
+def assert_same(run_dir: Path, **kw) -> C.Aggregates:
+    agg = C.aggregate(run_dir, **kw)
+    frame = data.load([run_dir]).frame
+    for keys, got in ((C.STAGE_KEYS, agg.by_stage), (C.WORKLOAD_KEYS, agg.by_workload)):
+        want = M.summarise(frame, by=keys, metrics=NAMES)
+        counts = _frame_counts(frame, keys)
+        assert len(got) == len(want) == len(counts)
+        at = {tuple(r): i for i, r in enumerate(got[list(keys)].itertuples(index=False,
+                                                                            name=None))}
+        for _, row in want.iterrows():
+            key = tuple(row[k] for k in keys)
+            i = at[key]
+            for c, v in counts[key].items():
+                assert int(got.loc[i, c]) == v, (key, c)
+            for n in NAMES:
+                a, b = float(got.loc[i, n]), float(row[n])
+                if math.isnan(b):
+                    assert math.isnan(a), (key, n)
+                else:
+                    assert a == pytest.approx(b, rel=1e-12, abs=0), (key, n)
+    return agg
+
+
+def test_synthetic_run_matches_the_request_frame(tmp_path):
+    shape = RunShape(endpoints=[EndpointShape("a", error_rate=0.1, cancel_rate=0.05),
+                                EndpointShape("b", "disaggregated")],
+                     requests_per_stage=400, stage_rates_rps=(5.0, 10.0), max_chunks=30)
+    table, stages = synth_table(shape)
+    write_run(tmp_path, table, run_meta(shape, stages))
+    agg = assert_same(tmp_path, settings=C.Settings(memory_limit="200MB", threads=1))
+    assert agg.by_workload["requests"].sum() == table.num_rows
+    assert (agg.by_workload["itl_n"] > 1000).all()
+
+
+def test_numpy_linear_is_the_reference(tmp_path):
+    """Against numpy over the exact values, not only against the frame."""
+    shape = RunShape(requests_per_stage=300, max_chunks=20)
+    table, stages = synth_table(shape)
+    write_run(tmp_path, table, run_meta(shape, stages))
+    agg = C.aggregate(tmp_path)
+    ok = np.array(table.column("status").to_pylist()) == "ok"
+    ttft = np.array(table.column("ttft_ns").to_pylist(), dtype=float)[ok] / 1e6
+    gaps = np.concatenate([np.diff(np.asarray(x, np.int64)) for x, k in
+                           zip(table.column("chunk_offsets_ns").to_pylist(), ok) if k])
+    row = agg.by_workload.iloc[0]
+    for p, q in C.QUANTILES.items():
+        assert row[f"ttft_{p}"] == float(np.quantile(ttft, [q])[0])
+        want = float(np.quantile((gaps / 1e6).astype(np.float32), [q])[0])
+        assert row[f"itl_{p}"] == want
+        # and the float32 ms the report stores is within its rounding of the exact gaps
+        assert row[f"itl_{p}"] == pytest.approx(np.quantile(gaps / 1e6, q), rel=1e-6)
+
+
+def test_linear_reproduces_numpy():
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 3, 7, 1000):
+        for dtype in (np.float64, np.float32):
+            v = np.sort(rng.gamma(2.0, 10.0, n).astype(dtype))
+            qs = [0.5, 0.9, 0.95, 0.99, 0.0, 1.0]
+            want = np.quantile(v, qs)
+            for q, w in zip(qs, want):
+                index = (n - 1) * np.asarray([q], np.float64)
+                k = min(int(np.floor(index[0])), n - 1)
+                got = C.linear(v[k:k + 1], v[min(k + 1, n - 1):min(k + 1, n - 1) + 1], index)
+                assert float(got[0]) == float(w)
+
+
+# --------------------------------------------------------------------------- hypothesis
+
+EPOCH = 1_780_000_000 * 10**9
+SLO = {"chat": {"ttft_ms": 5.0, "tpot_ms": 1.0}, "rag": {"e2e_ms": 20.0}}
+
+
+@st.composite
+def record(draw, i: int):
+    status = draw(st.sampled_from(["ok", "ok", "ok", "http_error", "timeout", "cancelled"]))
+    offsets = sorted(draw(st.lists(st.integers(0, 30_000_000), max_size=6)))
+    ttft = offsets[0] if offsets else draw(st.none() | st.integers(0, 30_000_000))
+    if status != "ok" and draw(st.booleans()):
+        ttft = None
+    last = offsets[-1] if offsets else (ttft or 0)
+    e2e = draw(st.none() | st.integers(last, last + 5_000_000)) if status != "ok" else (
+        last + draw(st.integers(0, 1000)))
+    if ttft is not None and e2e is not None and e2e < ttft:
+        e2e = ttft
+    sched = EPOCH + draw(st.integers(0, 10**10))
+    return {"run_id": "h", "endpoint": draw(st.sampled_from(["a", "b"])),
+            "workload": draw(st.sampled_from(["w1", "w2"])),
+            "request_class": draw(st.sampled_from(["chat", "rag", "agent"])),
+            "stage": draw(st.integers(0, 1)), "request_id": f"r{i}", "worker": "h:1",
+            "status": status, "t_scheduled": sched, "t_sent": sched + draw(st.integers(0, 9)),
+            "ttft_ns": ttft, "e2e_ns": e2e, "chunk_offsets_ns": offsets,
+            "completion_tokens": draw(st.none() | st.integers(0, 8)),
+            "completion_tokens_client": draw(st.none() | st.integers(0, 8)),
+            "prompt_tokens": draw(st.none() | st.integers(1, 100))}
+
+
+@st.composite
+def records(draw):
+    n = draw(st.integers(1, 40))
+    return [draw(record(i)) for i in range(n)]
+
+
+def _write(run_dir: Path, rows: list[dict], shard_rows: int = 0) -> None:
+    """A run from ``rows``: the first in requests.parquet, the last ``shard_rows`` in a live
+    Arrow shard (a run still being written, or never compacted)."""
+    table = pa.Table.from_pylist([{**dict.fromkeys(REQUESTS.names), **r} for r in rows],
+                                 schema=REQUESTS)
+    cut = table.num_rows - shard_rows
+    shape = RunShape(endpoints=[EndpointShape("a"), EndpointShape("b")])
+    write_run(run_dir, table.slice(0, cut), run_meta(shape, [], config={"slo": SLO}))
+    if shard_rows:
+        w = ShardWriter(run_dir, "requests", tag="t")
+        for b in table.slice(cut).to_batches():
+            w.write(b)
+        w.close()
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(rows=records(), shard=st.integers(0, 5))
+def test_generated_records_match_the_request_frame(tmp_path_factory, rows, shard):
+    run_dir = tmp_path_factory.mktemp("run")
+    _write(run_dir, rows, min(shard, len(rows) - 1))
+    assert_same(run_dir)
+
+
+def test_only_shards_and_an_old_parquet(tmp_path):
+    """A run with no compacted parquet, and one whose parquet lacks a column, read through the
+    store's reader."""
+    rows = [{"run_id": "h", "endpoint": "a", "workload": "w", "request_class": "chat",
+             "stage": 0, "request_id": f"r{i}", "worker": "h:1", "status": "ok",
+             "t_scheduled": EPOCH + i, "t_sent": EPOCH + i, "ttft_ns": 10**6 * (i + 1),
+             "e2e_ns": 10**7 * (i + 1), "chunk_offsets_ns": [10**6 * (i + 1), 10**7 * (i + 1)],
+             "completion_tokens": 3} for i in range(5)]
+    _write(tmp_path / "shards", rows, shard_rows=5)
+    (tmp_path / "shards" / "requests.parquet").unlink()
+    agg = assert_same(tmp_path / "shards")
+    assert agg.by_workload["requests"].tolist() == [5]
+    old = tmp_path / "old"
+    _write(old, rows)
+    pq.write_table(pq.read_table(old / "requests.parquet").drop_columns(["cached_tokens",
+                                                                         "prompt_tokens"]),
+                   old / "requests.parquet")
+    assert_same(old)
+
+
+def test_the_engine_downloads_nothing():
+    import duckdb
+
+    con = C.connect(C.Settings(), "/tmp")
+    try:
+        got = dict(con.execute("SELECT name, value FROM duckdb_settings() WHERE name IN "
+                               "('autoinstall_known_extensions', 'autoload_known_extensions', "
+                               "'threads', 'memory_limit')").fetchall())
+    finally:
+        con.close()
+    assert got["autoinstall_known_extensions"] == "false"
+    assert got["autoload_known_extensions"] == "false"
+    assert got["threads"] == "2"
+    assert duckdb.__version__
