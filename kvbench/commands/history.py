@@ -21,6 +21,9 @@ def add_parser(p) -> None:
                    help="bench.toml: its results_dir, [storage] and [history] retention")
     p.add_argument("--suite", default=None, help="only this suite")
     p.add_argument("--limit", type=int, default=10, help="newest N runs (default 10)")
+    p.add_argument("--trend", action="store_true",
+                   help="per endpoint x workload over the runs: capacity at SLO, TTFT/TPOT "
+                        "p99 and goodput (read from the manifest alone)")
     p.add_argument("--plot", default=None, help="write an HTML plot of the trend here")
     p.add_argument("--accept", default=None, metavar="RUN",
                    help="record RUN (a results directory, or a run id under --results-dir) "
@@ -72,20 +75,22 @@ def _show(args, store) -> int:
 
     from kvbench.reports.analysis.history import KEY_METRICS, recent_runs, trend
 
-    wide = recent_runs(store, args.suite, args.limit)
-    if wide.empty:
-        print(f"no runs recorded in {store.where('history')} yet (kvbench gate records each "
-              "run it judges)")
-        return 0
-    cols = ["date", "run_id", "endpoint", "verdict"] + [m for m in KEY_METRICS if m in wide]
     fmt = {"display.width": 200, "display.max_columns": 20,
            "display.float_format": "{:.4g}".format}
+    tr = trend(store, args.suite, args.limit)
     with pd.option_context(*[x for kv in fmt.items() for x in kv]):
-        print(wide[cols].to_string(index=False))
-        tr = trend(store, args.suite, args.limit)
-        if not tr.empty:
-            print("\nper endpoint x workload (capacity at SLO in req/s, p99 in seconds):")
-            print(tr.drop(columns=["suite"]).to_string(index=False, na_rep="-"))
+        if args.trend:
+            table = tr.drop(columns=["suite"])
+        else:
+            wide = recent_runs(store, args.suite, args.limit)
+            cols = ["date", "run_id", "endpoint", "verdict"] + [m for m in KEY_METRICS
+                                                                 if m in wide]
+            table = wide[cols] if not wide.empty else wide
+        if table.empty:
+            print(f"no runs recorded in {store.where('history')} yet (kvbench gate records "
+                  "each run it judges)")
+            return 0
+        print(table.to_string(index=False, na_rep="-"))
     if args.plot:
         plot(tr, args.plot)
         print(f"wrote {args.plot}")
