@@ -193,3 +193,16 @@ def test_a_store_of_an_older_kvbench_gets_its_manifest(tmp_path):
     assert H.recent_runs(tmp_path)["ttft_p99"].tolist() == [0.5]
     assert json.loads(next((tmp_path / MF.MANIFEST).rglob("*.json")).read_text())["run"] == str(
         tmp_path / "old")
+
+
+def test_the_gate_applies_the_configs_retention_after_recording(tmp_path):
+    from types import SimpleNamespace
+
+    from kvbench.commands import gate as G
+
+    for i in range(4):
+        meta = RunMeta(run_id=f"g{i}", suite="s", started_ns=T0 + i * DAY)
+        G._record(H, tmp_path, SimpleNamespace(meta=meta), tmp_path / f"g{i}", _rows(i),
+                  "pass" if i == 0 else "fail", {"keep_runs": 2, "keep_days": None})
+    assert [e["run_id"] for e in H.entries(tmp_path)] == ["g0", "g2", "g3"]
+    assert json.loads((tmp_path / MF.INDEX).read_text())["version"] == MF.VERSION
