@@ -2,9 +2,10 @@
 
 Runs on object storage (``s3://BUCKET/PREFIX/RUN_ID``, for --current, --baseline, or a run id
 under an s3:// --results-dir) are read from local copies (``commands.recover.local_run``); the
-verdict, gate.json, is uploaded beside an s3:// current run. The gate's history of an s3://
-store is kept in its local cache folder, so ``last-pass`` there knows the gates this machine
-ran (the store itself keeps no history yet)."""
+verdict, gate.json, is uploaded beside an s3:// current run. The history (its files and
+manifest, ``reports.analysis.history``) is kept in the results store itself, local or s3://, so
+``last-pass`` and ``last-pass:N`` resolve on any machine, from an empty cache. After recording,
+the config's ``[history]`` retention (``keep_runs``, ``keep_days``) prunes the store's history."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ EXIT_DATA = 3
 
 def add_parser(p) -> None:
     p.add_argument("--baseline", required=True,
-                   help="a results directory, a run id under --results-dir, or 'last-pass'")
+                   help="a results directory, a run id under --results-dir, 'last-pass' "
+                        "(the newest passing or accepted run of the suite in the store's "
+                        "history) or 'last-pass:N' (the newest N, pooled)")
     p.add_argument("--current", required=True, help="the results directory to judge")
     p.add_argument("--config", default=None,
                    help="bench.toml whose [gate] rules apply (default: the current run's own)")
@@ -42,24 +45,60 @@ def add_parser(p) -> None:
 
 
 def _resolve_baseline(spec: str, results_dir: Path, suite: str | None, current: Path,
-                      store=None) -> Path:
+                      store=None) -> list[Path]:
+    """The local folders of the baseline: one run, or the newest N passing ones."""
     from kvbench.commands.recover import local_run
-    from kvbench.reports.analysis.history import last_pass
 
-    if spec == "last-pass":
-        return last_pass(results_dir, suite, exclude_run=current.name)
+    if spec == "last-pass" or spec.startswith("last-pass:"):
+        return _last_passes(spec, results_dir, suite, current, store)
     if objstore.is_url(spec):
-        return local_run(spec)
+        return [local_run(spec)]
     if store is not None and not Path(spec).is_dir():  # a run id on the store
-        return local_run(store.url(spec))
+        return [_store_run(store, spec)]
     from kvbench.commands.recover import ensure_recovered
 
     for path in (Path(spec), results_dir / spec):
         ensure_recovered(path)  # a killed baseline named by its run id is rebuilt too
         if (path / "run.json").exists():
-            return path
+            return [path]
     raise DataError(f"baseline {spec!r} is neither a results directory nor a run id under "
                     f"{results_dir}; give a directory holding run.json, a run id or last-pass")
+
+
+def _store_run(store, run_id: str) -> Path:
+    """A run of an s3:// store, copied here (the store's own options, not the environment's)."""
+    from kvbench.commands.recover import _store_error
+
+    try:
+        if objstore.complete(store, run_id) is None:
+            raise DataError(f"{store.url(run_id)} holds no complete run (no {objstore.MARKER}"
+                            " marker); run kvbench recover on the machine that ran it")
+        return objstore.fetch_run(store, run_id)
+    except OSError as exc:
+        raise _store_error(store.url(run_id), exc) from None
+
+
+def _last_passes(spec: str, results_dir: Path, suite, current: Path, store) -> list[Path]:
+    from kvbench.reports.analysis.history import last_pass, last_passes
+
+    n_text = spec.partition(":")[2] or "1"
+    if not n_text.isdigit() or not 1 <= int(n_text) <= 100:
+        raise UserError(f"--baseline {spec!r}: N of last-pass:N is a whole number from 1 to "
+                        "100")
+    n = int(n_text)
+    if store is None and n == 1:
+        return [last_pass(results_dir, suite, exclude_run=current.name)]
+    where = store if store is not None else results_dir
+    out = []
+    for e in last_passes(where, suite, exclude_run=current.name, n=n):
+        if store is not None:
+            out.append(_store_run(store, e["run_id"]))
+        elif (Path(e["run"]) / "run.json").exists():
+            out.append(Path(e["run"]))
+        else:
+            raise DataError(f"the passing run {e['run_id']} was recorded at {e['run']}, which "
+                            "no longer holds its results; give --baseline a results directory")
+    return out
 
 
 def run(args) -> int:
@@ -114,16 +153,20 @@ def _run(args) -> int:
         slo = resolved.get("slo") or {}
         results_dir = args.results_dir or current_path.parent
     store = None
-    if objstore.is_url(results_dir):  # a store: its history is kept in its cache folder
+    if not args.results_dir and not args.config and objstore.is_url(args.current):
+        store = objstore.split_run(args.current)[0]  # the run's own store
+    if store is None and objstore.is_url(results_dir):  # runs copied to its cache
         try:
             store = objstore.parse(str(results_dir), cfg.storage if args.config else None)
         except ValueError as exc:
             raise UserError(f"--results-dir {exc}") from None
+    if store is not None:  # history on the store itself
         results_dir = objstore.cache_root(store)
     results_dir = Path(results_dir)
     suite = current.meta.suite
-    base_path = _resolve_baseline(args.baseline, results_dir, suite, current_path, store)
-    baseline = load_results(base_path)
+    base_paths = _resolve_baseline(args.baseline, results_dir, suite, current_path, store)
+    base_path = " + ".join(str(p) for p in base_paths)
+    baseline = _pooled([load_results(p) for p in base_paths])
     results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed,
                             allow_missing=args.allow_missing)
     verdict = gate.overall(results)
@@ -149,9 +192,41 @@ def _run(args) -> int:
     if objstore.is_url(args.current):
         _upload_verdict(args.current, current_path / "gate.json")
     if not args.no_history:
-        history.record_run(results_dir, current.meta, current_path,
-                           _history_rows(current, slo), verdict)
+        _record(history, store if store is not None else results_dir, current, current_path,
+                _history_rows(current, slo), verdict,
+                cfg.history if args.config else current.meta.config.get("history"))
     return gate.exit_code(verdict, args.strict)
+
+
+def _record(history, where, current, current_path: Path, rows, verdict, retention) -> None:
+    """The verdict into the store's history, then its retention applied."""
+    from kvbench.core import manifest
+    from kvbench.commands.recover import _store_error
+
+    try:
+        store = manifest.Store.of(where)
+        history.record_run(store, current.meta, current_path, rows, verdict)
+        keep = retention if isinstance(retention, dict) else (
+            retention.model_dump() if retention is not None else {})
+        if keep.get("keep_runs") is not None or keep.get("keep_days") is not None:
+            manifest.prune(store, keep.get("keep_runs"), keep.get("keep_days"))
+    except OSError as exc:
+        raise _store_error(str(where), exc) from None
+
+
+def _pooled(runs: list):
+    """One baseline of several runs of the same suite (``last-pass:N``): their records
+    together, with every run's stages, so each figure still describes one load per stage."""
+    if len(runs) == 1:
+        return runs[0]
+    import dataclasses
+
+    import pyarrow as pa
+
+    first = runs[0]
+    meta = dataclasses.replace(first.meta, stages=[s for r in runs for s in r.meta.stages])
+    requests = pa.concat_tables([r.requests for r in runs], promote_options="default")
+    return dataclasses.replace(first, meta=meta, tables=dict(first.tables, requests=requests))
 
 
 def _upload_verdict(url: str, path: Path) -> None:
@@ -172,6 +247,8 @@ def _history_rows(results, slo) -> list[dict]:
     from kvbench.reports.analysis.history import KEY_METRICS
     from kvbench.reports.statistics import metrics as M
 
+    from kvbench.reports.analysis.history import FIGURES
+
     frame = M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
     rows = []
     for ep in frame["endpoint"].cat.categories:
@@ -179,4 +256,17 @@ def _history_rows(results, slo) -> list[dict]:
         for name in KEY_METRICS:
             rows.append({"endpoint": ep, "request_class": "*", "metric": name,
                          "value": M.statistic(sub, name)})
+        for wl in sorted(sub["workload"].dropna().unique()):
+            part = sub[sub["workload"] == wl]
+            for name in FIGURES[1:]:
+                rows.append({"endpoint": ep, "workload": wl, "request_class": "*",
+                             "metric": name, "value": M.statistic(part, name)})
+    if any(s.search is not None for s in results.meta.stages or []):
+        from kvbench.reports.analysis.capacity import summarise
+
+        for c in summarise(results.meta.stages, frame, slo):
+            if c.capacity_rps is not None and c.unit == "req/s":
+                rows.append({"endpoint": c.endpoint, "workload": c.workload,
+                             "request_class": "*", "metric": "capacity_rps",
+                             "value": c.capacity_rps})
     return rows

@@ -9,7 +9,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
 from kvbench.config.load import CacheMode, LoadProfile
-from kvbench.config.storage import StorageSpec
+from kvbench.config.storage import HistorySpec, StorageSpec
 from kvbench.core import redact
 from kvbench.reports.measures.spec import SLO, GateConfig
 from kvbench.workloads import registry
@@ -68,6 +68,7 @@ class BenchConfig(Strict):
     gate: GateConfig = GateConfig()
     collect: CollectConfig = CollectConfig()
     storage: StorageSpec = StorageSpec()  # an s3:// results_dir's store (config.storage)
+    history: HistorySpec = HistorySpec()  # retention of the store's history (config.storage)
 
     @field_validator("workloads", mode="before")
     @classmethod

@@ -28,3 +28,12 @@ class StorageSpec(Strict):
         if why:
             raise ValueError(why)
         return v
+
+
+class HistorySpec(Strict):
+    """``[history]``: how much of the results store's history (``kvbench.core.manifest``) the
+    gate keeps after recording a run; unset: all. A suite's newest passing or accepted run is
+    always kept (``--baseline last-pass`` needs it); run folders are never removed here."""
+
+    keep_runs: int | None = Field(default=None, ge=1, le=100_000)
+    keep_days: float | None = Field(default=None, gt=0, le=36_500)
