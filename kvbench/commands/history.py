@@ -97,29 +97,12 @@ def _show(args, store) -> int:
     return 0
 
 
-PLOTTED = (("capacity_rps", "capacity at SLO (req/s)"), ("goodput_rps", "goodput (req/s)"),
-           ("ttft_p99", "TTFT p99 (s)"), ("tpot_p99", "TPOT p99 (s)"))
-
-
 def figure(tr):
-    """The trend as a plotly figure: one panel per figure, one line per endpoint x workload
-    (panels with no value left out); None: nothing to draw."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    """The trend as a plotly figure (the report's History section draws the same one); None:
+    nothing to draw."""
+    from kvbench.reports.rendering.history_section import figure as draw
 
-    shown = [(m, t) for m, t in PLOTTED if m in tr and tr[m].notna().any()]
-    if tr.empty or not shown:
-        return None
-    fig = make_subplots(rows=len(shown), cols=1, shared_xaxes=True,
-                        subplot_titles=[t for _, t in shown])
-    for i, (m, _) in enumerate(shown, start=1):
-        for (ep, wl), sub in tr.groupby(["endpoint", "workload"], sort=True):
-            name = f"{ep} x {wl}"
-            fig.add_trace(go.Scatter(x=sub["date"] + " " + sub["run_id"], y=sub[m],
-                                     mode="lines+markers", name=name, legendgroup=name,
-                                     showlegend=i == 1), row=i, col=1)
-    fig.update_layout(height=250 * len(shown), title="kvbench history")
-    return fig
+    return draw(tr)
 
 
 def plot(tr, path: str) -> None:

@@ -1,4 +1,5 @@
-"""``kvbench report RESULTS... [-o FILE] [--format html|md] [--slo-config bench.toml]``."""
+"""``kvbench report RESULTS... [-o FILE] [--format html|md] [--slo-config bench.toml]
+[--history N]``."""
 
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ def add_parser(p) -> None:
     p.add_argument("--slo-config", type=Path, default=None, metavar="BENCH_TOML",
                    help="take the SLOs from this bench.toml instead of the runs' own config")
     p.add_argument("--title", default=None, help="report title")
+    p.add_argument("--history", type=int, default=30, metavar="N",
+                   help="a History section with the trend of the last N runs of the results "
+                        "store the run belongs to (its folder's parent or s3:// prefix), read "
+                        "from its history manifest; 0: none (default 30)")
 
 
 def run(args) -> int:
     from kvbench.commands.recover import local_run
     from kvbench.reports.rendering.render import render
 
+    if args.history < 0:
+        raise UserError(f"--history {args.history}: give a number of runs, 0 for none")
+    sources = list(args.results)  # the store a run belongs to: where the user named it
     args.results = [local_run(spec) for spec in args.results]  # s3://: a local copy
     for path in args.results:
         if not path.is_dir():
@@ -41,7 +49,8 @@ def run(args) -> int:
         from kvbench.config import load_config
 
         slo = load_config(args.slo_config).slo
-    text = render(args.results, args.format, slo=slo, title=args.title)
+    text = render(args.results, args.format, slo=slo, title=args.title, history=args.history,
+                  sources=sources)
     out = args.output
     if out is None and args.format == "html":
         out = args.results[0] / "report.html"

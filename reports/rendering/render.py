@@ -2,7 +2,8 @@
 from the template context ``reports.context`` builds.
 
 Everything the HTML needs is inlined (plotly.js once, styles, figure JSON), so it opens with no
-network now and in a year. Text from endpoints goes through Jinja autoescape; figure JSON is
+network now and in a year. The History section (``history_section``) reads only the manifest
+of the store the runs belong to. Text from endpoints goes through Jinja autoescape; figure JSON is
 escaped so that no string inside it can close its <script> element.
 """
 
@@ -16,6 +17,8 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from kvbench.reports.rendering.cells import fmt
 from kvbench.reports.rendering.context import build_context
+from kvbench.reports.rendering.history_section import DEFAULT_RUNS
+from kvbench.reports.rendering.history_section import build as build_history
 
 
 def _env() -> Environment:
@@ -46,8 +49,12 @@ def render_html(ctx: dict) -> str:
     figs = [{"key": f["key"], "title": f["title"], "note": f["note"],
              "json": Markup(script_json({"data": f["data"], "layout": f["layout"]}))}
             for f in ctx["figures"]]
+    history = [{**h, "figure": h["figure"] and {
+        **h["figure"], "json": Markup(script_json({"data": h["figure"]["data"],
+                                                   "layout": h["figure"]["layout"]}))}}
+               for h in ctx.get("history") or []]
     tpl = _env().get_template("report.html.j2")
-    return tpl.render(**{**ctx, "figures": figs}, plotly_js=Markup(js))
+    return tpl.render(**{**ctx, "figures": figs, "history": history}, plotly_js=Markup(js))
 
 
 def md_escape(text) -> str:
@@ -65,11 +72,17 @@ def render_md(ctx: dict) -> str:
 
 
 def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
-           title: str | None = None) -> str:
+           title: str | None = None, history: int = DEFAULT_RUNS,
+           sources: Sequence[Path | str] | None = None) -> str:
+    """The report of the runs in ``paths``; ``history``: at most that many runs of the
+    results store the runs belong to (the parent of ``sources``, what the user named: a
+    folder or an ``s3://`` run; default ``paths``) in a History section, 0: none."""
     from kvbench.reports.measures.data import load
 
     d = load(paths, slo=slo)
     ctx = build_context(d, title, figures=fmt_ == "html")
+    ctx["history"] = build_history(d.runs, list(sources or d.paths), history,
+                                   figures=fmt_ == "html")
     return render_html(ctx) if fmt_ == "html" else render_md(ctx)
 
 
