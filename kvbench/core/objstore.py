@@ -254,11 +254,15 @@ def read_latest(loc: Location) -> str | None:
 
 
 def local_files(run_dir: Path) -> dict[str, Path]:
-    """The files of a spooled run worth uploading: {path relative to the run: path}."""
+    """The files of a spooled run worth uploading, sub-folders too (the requests dataset):
+    {path relative to the run: path}; a hidden folder (a compaction's work in progress,
+    ``.requests.compacting``) is not."""
     out = {}
     for p in sorted(run_dir.rglob("*")):
-        if p.is_file() and p.suffix != ".tmp" and p.name not in SKIP and p.name != MARKER:
-            out[p.relative_to(run_dir).as_posix()] = p
+        rel = p.relative_to(run_dir)
+        if p.is_file() and p.suffix != ".tmp" and p.name not in SKIP and p.name != MARKER \
+                and not any(part.startswith(".") for part in rel.parts[:-1]):
+            out[rel.as_posix()] = p
     return out
 
 
