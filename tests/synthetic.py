@@ -231,7 +231,8 @@ def write_run(run_dir: Path, table: pa.Table, meta: dict, gpu: pa.Table | None =
     partitioned dataset, 1 one ``requests.parquet`` (a run of an older kvbench)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if layout == 1:
+    if layout == 1 or set(table.column_names) != set(REQUESTS.names):
+        # (a table without some columns stands for a file of an older kvbench: layout 1)
         pq.write_table(table, run_dir / "requests.parquet", compression="zstd")
     else:
         writer = DatasetWriter(run_dir, "requests")
