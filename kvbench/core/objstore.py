@@ -254,16 +254,11 @@ def read_latest(loc: Location) -> str | None:
 
 
 def local_files(run_dir: Path) -> dict[str, Path]:
-    """The files of a spooled run worth uploading, sub-folders too (the requests dataset):
-    {path relative to the run: path}; a hidden folder (a compaction's work in progress,
-    ``.requests.compacting``) is not."""
-    out = {}
-    for p in sorted(run_dir.rglob("*")):
-        rel = p.relative_to(run_dir)
-        if p.is_file() and p.suffix != ".tmp" and p.name not in SKIP and p.name != MARKER \
-                and not any(part.startswith(".") for part in rel.parts[:-1]):
-            out[rel.as_posix()] = p
-    return out
+    """A spooled run's files to upload, sub-folders but no hidden ones (a compaction's work):
+    {relative path: path}."""
+    rels = {p: p.relative_to(run_dir).as_posix() for p in sorted(run_dir.rglob("*"))}
+    return {r: p for p, r in rels.items() if p.is_file() and p.suffix != ".tmp"
+            and p.name not in SKIP + (MARKER,) and not r.startswith(".") and "/." not in r}
 
 
 def upload_run(run_dir: Path, loc: Location, run_id: str, sent: dict | None = None) -> int:
