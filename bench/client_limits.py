@@ -82,6 +82,8 @@ def locust_big_line(mib: int) -> None:
 
     import pyarrow.parquet as pq
 
+    from kvbench.core.store import read_table as read_run_table
+
     srv = subprocess.Popen([sys.executable, "-c", BIG_LINE_SERVER, str(mib)],
                            stdout=subprocess.PIPE, text=True)
     port = int(srv.stdout.readline())
@@ -98,7 +100,7 @@ def locust_big_line(mib: int) -> None:
                 cwd=root, capture_output=True, text=True, timeout=300)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-            t = pq.read_table(os.path.join(tmp, "big", "requests.parquet")).to_pylist()
+            t = read_run_table(os.path.join(tmp, "big"), "requests").to_pylist()
     finally:
         srv.kill()
         srv.wait()

@@ -312,9 +312,10 @@ def run_client(kind: str, url: str, a, streams: int, tmp: Path) -> tuple[dict, S
             extra["loop_pause_ms"] = [float(pause.read_text())]
         return json.loads(out.read_text()), sampler, extra
     import pyarrow.parquet as pq
+    from kvbench.core.store import read_table as read_run_table
 
     run = tmp / f"results-{streams}" / "run"
-    t = pq.read_table(run / "requests.parquet",
+    t = read_run_table(run, "requests",
                       columns=["request_id", "t_sent", "chunk_offsets_ns", "status"]).to_pylist()
     epoch_minus_mono = _epoch_minus_mono()
     arrivals = {r["request_id"]: [r["t_sent"] - epoch_minus_mono + o

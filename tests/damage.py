@@ -20,7 +20,9 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from kvbench.core import rows
+from kvbench.core.layout import table_files
 from kvbench.core.schema import TABLES
+from kvbench.core.shards import read_table
 
 # Values of every JSON type, for run.json fields of the wrong type.
 WRONG_VALUES = ([], {}, "x", "", 7, -1, 1.5, 1e30, True, None, [1, "a"], {"a": [1]},
@@ -45,17 +47,20 @@ def to_shards(run_dir: Path) -> None:
     """The folder as a live run leaves it, no parquet: the requests as the load process's rows
     shard, every other table as a collector's Arrow IPC shard."""
     for name in TABLES:
-        p = run_dir / f"{name}.parquet"
-        if not p.exists():
+        files = table_files(run_dir, name)
+        if not files:
             continue
-        t = pq.read_table(p)
+        t = (pq.read_table(files[0]) if files == [run_dir / f"{name}.parquet"] else
+             read_table(run_dir, name, shards=False))
         suffix = ".rows" if name in ROWS_TABLES else ".arrows"
         _rewrite(run_dir / f"{name}-host-1{suffix}", t, batch_rows=8)
-        p.unlink()
+        for p in files:
+            p.unlink()
+        shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
 def _data_files(run_dir: Path) -> list[Path]:
-    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.suffix in (
+    return sorted(p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (
         ".parquet", ".arrows", ".rows", ".json"))
 
 
@@ -164,7 +169,7 @@ def config_field(name: str, value) -> Mutation:
 
 
 def _table_file(run_dir: Path, table: str) -> Path:
-    found = sorted(run_dir.glob(f"{table}.parquet")) + rows.shard_files(run_dir, table)
+    found = table_files(run_dir, table) + rows.shard_files(run_dir, table)
     return found[0]
 
 
@@ -252,7 +257,10 @@ def wrong_column(table: str, column: str | None = None) -> Mutation:
         t = _read(path)
         name = column or rng.choice(t.column_names)
         i = t.schema.get_field_index(name)
-        t = t.set_column(i, name, _wrong_column(t.column(i), rng))
+        if i < 0:  # a partition column, in the folder names only: one written in the file
+            t = t.append_column(name, _wrong_column(t.column(0), rng))
+        else:
+            t = t.set_column(i, name, _wrong_column(t.column(i), rng))
         _rewrite(path, t)
         return path.name
     m.__name__ = f"{table}_{column or 'any'}_wrong_type"
@@ -272,18 +280,24 @@ def missing_column(table: str) -> Mutation:
 # --------------------------------------------------------------------------------------------
 
 
-def _on(glob: str, damage) -> Mutation:
+def _on(glob: str | tuple, damage) -> Mutation:
+    """``damage`` done to the first file of ``glob`` (of the first of globs that finds one)."""
+    globs = (glob,) if isinstance(glob, str) else glob
+
     def m(run_dir: Path, rng: random.Random) -> str:
-        return damage(sorted(run_dir.glob(glob))[0], rng)
-    m.__name__ = f"{glob}_{damage.__name__}"
+        return damage(next(f for g in globs for f in sorted(run_dir.glob(g))), rng)
+    m.__name__ = f"{globs[0]}_{damage.__name__}"
     return m
 
 
+# a run's requests files (layout 2: a partitioned dataset; layout 1: requests.parquet)
+REQUESTS_FILES = ("requests/**/*.parquet", "requests.parquet")
+
 # The 17 damages of issue 11's account (the folder as kvbench run leaves it: parquet).
 CATEGORIES: dict[str, Mutation] = {
-    "requests.parquet truncated": _on("requests.parquet", truncate),
-    "requests.parquet zero bytes": _on("requests.parquet", zero),
-    "requests.parquet garbage": _on("requests.parquet", lambda p, r: _put(
+    "requests.parquet truncated": _on(REQUESTS_FILES, truncate),
+    "requests.parquet zero bytes": _on(REQUESTS_FILES, zero),
+    "requests.parquet garbage": _on(REQUESTS_FILES, lambda p, r: _put(
         p, b"PAR1" + b"\x17" * 999 + b"PAR1")),
     "engine.parquet truncated": _on("engine.parquet", truncate),
     "gpu.parquet zero bytes": _on("gpu.parquet", zero),
@@ -320,7 +334,7 @@ def _put(path: Path, data: bytes) -> str:
 
 
 def _set_column(run_dir: Path, column: str, make: Callable[[int], pa.Array]) -> str:
-    path = run_dir / "requests.parquet"
+    path = table_files(run_dir, "requests")[0]
     t = pq.read_table(path)
     t = t.set_column(t.schema.get_field_index(column), column, make(t.num_rows))
     pq.write_table(t, path)
@@ -330,13 +344,13 @@ def _set_column(run_dir: Path, column: str, make: Callable[[int], pa.Array]) -> 
 def _all_mutations(run_dir: Path) -> list[Mutation]:
     out: list[Mutation] = []
     for p in _data_files(run_dir):
-        out += [_on(p.name, d) for d in BYTE_DAMAGE]
+        out += [_on(str(p.relative_to(run_dir)), d) for d in BYTE_DAMAGE]
     out += [run_json_whole(v) for v in ([], "x", None, 1, {}, [{"run_id": "a"}])]
     out += [run_field(f, v) for f in RUN_FIELDS for v in WRONG_VALUES]
     out += [stage_field(f, v) for f in STAGE_FIELDS for v in WRONG_VALUES]
     out += [endpoint_field(f, v) for f in ENDPOINT_FIELDS for v in WRONG_VALUES]
     out += [config_field(f, v) for f in CONFIG_FIELDS for v in WRONG_VALUES]
-    tables = [t for t in TABLES if list(run_dir.glob(f"{t}.parquet"))
+    tables = [t for t in TABLES if table_files(run_dir, t)
               or rows.shard_files(run_dir, t)]
     for t in tables:
         out += [other_schema(t), extra_shard(t), wrong_column(t), missing_column(t)]

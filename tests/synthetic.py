@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvbench.core.layout import LAYOUT, DatasetWriter
 from kvbench.core.schema import ENGINE, GPU, REQUESTS
 from kvbench.runs.finalize import finalize
 
@@ -225,10 +226,20 @@ def engine_table(samples: Sequence[tuple[int, str, str, dict, float]]) -> pa.Tab
 
 
 def write_run(run_dir: Path, table: pa.Table, meta: dict, gpu: pa.Table | None = None,
-              engine: pa.Table | None = None) -> Path:
+              engine: pa.Table | None = None, layout: int = LAYOUT) -> Path:
+    """A finished run of these records: ``layout`` 2 (kvbench's) the requests as a
+    partitioned dataset, 1 one ``requests.parquet`` (a run of an older kvbench)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, run_dir / "requests.parquet", compression="zstd")
+    if layout == 1 or set(table.column_names) != set(REQUESTS.names):
+        # (a table without some columns stands for a file of an older kvbench: layout 1)
+        pq.write_table(table, run_dir / "requests.parquet", compression="zstd")
+    else:
+        writer = DatasetWriter(run_dir, "requests")
+        for batch in table.to_batches():
+            writer.add(batch)
+        writer.finish()
+        writer.commit()
     if gpu is not None:
         pq.write_table(gpu, run_dir / "gpu.parquet")
     if engine is not None:

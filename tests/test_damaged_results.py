@@ -23,6 +23,7 @@ import pytest
 
 import damage
 from kvbench.cli import main
+from kvbench.core.layout import table_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +79,7 @@ def seeds(tmp_path_factory):
                        timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     seed = results / "seed"
-    assert (seed / "requests.parquet").exists() and (seed / "engine.parquet").exists()
+    assert table_files(seed, "requests") and (seed / "engine.parquet").exists()
     shards = root / "shards"
     shutil.copytree(seed, shards)
     damage.to_shards(shards)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 from kvbench.cli import main
@@ -74,7 +75,7 @@ def run_dir(tmp_path_factory):
 
 def test_run_json_holds_what_each_endpoint_was_sent(run_dir):
     meta = json.loads((run_dir / "run.json").read_text())
-    t = pq.read_table(run_dir / "requests.parquet").to_pandas()
+    t = read_run_table(run_dir, "requests").to_pandas()
     whole = meta["workloads"]["rag"]
     assert whole["requests"] == 200
     sent = meta["workloads_sent"]

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pytest
 
 from kvbench.core import errors
+from kvbench.core.layout import table_files
 from kvbench.core.schema import TABLES
 from kvbench.core.store import read_proc_meta, read_table, shard_files
 
@@ -185,7 +186,7 @@ def check_records_kept(run_copy: Path) -> int:
     p = subprocess.run([sys.executable, "-m", "kvbench", "recover", str(run_copy)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert (run_copy / "run.json").exists() and (run_copy / "requests.parquet").exists()
+    assert (run_copy / "run.json").exists() and table_files(run_copy, "requests")
     t = read_table(run_copy, "requests")
     ok = sum(1 for s in t.column("status").to_pylist() if s == "ok")
     assert t.num_rows >= shards and ok > 0, (t.num_rows, shards, ok)
@@ -315,6 +316,7 @@ def test_compaction_on_a_full_disk_keeps_its_shards(tmp_path):
             compact(run, "requests")
         # the shard stays whole and no partial parquet file is left to take its place
         assert shard_files(run, "requests") and not list(run.glob("*.parquet*"))
+        assert not list(run.glob("requests/**/*.parquet")) and not list(run.glob(".requests*"))
         assert read_table(run, "requests").num_rows == n
         assert isinstance(failed.value, errors.UserError) and "disk full" in str(failed.value)
         pad.unlink()

@@ -135,7 +135,7 @@ def test_master_and_workers_in_their_own_namespaces(namespaces, tmp_path):
     # worker (written by the master from their messages); the workers kept nothing once
     # acknowledged, and never wrote into the master's directory
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names[-2:] == ["requests.parquet", "run.json"] and len(names) == 4, names
+    assert names[-2:] == ["requests", "run.json"] and len(names) == 4, names
     assert all(n.startswith("proc-") for n in names[:2])
     for w in ("w1", "w2"):
         assert not shard_files(dirs[w], recursive=True) and not list(dirs[w].rglob("run.json"))

@@ -118,20 +118,20 @@ def test_impossible_records_are_a_data_error_in_gate_and_report(tmp_path, kind):
     assert p.returncode == 3, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert str(cur / "requests.parquet") in lines[0]
+    assert str(cur / "requests") in lines[0]
     assert f"{n} record{'s' * (n != 1)} whose {column} is {what}" in lines[0], lines[0]
     assert "PASS" not in p.stdout
     assert 'errors="1"' in (tmp_path / "j.xml").read_text()
     # a damaged baseline is refused the same way
     p = _cli("gate", "--baseline", str(cur), "--current", str(base), "--no-history")
-    assert p.returncode == 3 and str(cur / "requests.parquet") in p.stderr, p.stderr
+    assert p.returncode == 3 and str(cur / "requests") in p.stderr, p.stderr
     # and so is a report of it
     p = _cli("report", str(cur), "-o", str(tmp_path / "r.html"))
     assert p.returncode == 3, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert f"{n} record{'s' * (n != 1)} whose {column} is {what}" in lines[0], lines[0]
-    assert str(cur / "requests.parquet") in lines[0]
+    assert str(cur / "requests") in lines[0]
     assert not (tmp_path / "r.html").exists()
 
 

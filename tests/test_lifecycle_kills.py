@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 import stream_server as testing
@@ -148,7 +149,7 @@ def test_sigkill_of_the_load_process_loses_at_most_a_second(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "recovered" in p.stderr
     res = load_results(run_dir)
-    t = pq.read_table(run_dir / "requests.parquet")
+    t = read_run_table(run_dir, "requests")
     status = collections.Counter(zip(t.column("status").to_pylist(), t.column("error").to_pylist()))
     print(f"server saw {len(log)}, records {t.num_rows}: {dict(status)}")
     assert t.num_rows >= len(log) - RATE_RPS  # at most one second's worth lost

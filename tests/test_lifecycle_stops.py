@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 import stream_server as testing
@@ -82,7 +83,7 @@ def locust(cfg, url, results, run_id, *extra, run_time="2s", users=3):
 
 
 def statuses(run_dir):
-    t = pq.read_table(run_dir / "requests.parquet")
+    t = read_run_table(run_dir, "requests")
     return collections.Counter(zip(t.column("status").to_pylist(),
                                    t.column("error").to_pylist()))
 
@@ -167,7 +168,7 @@ def test_processes_mode_sigterm_finalizes_once_on_the_master(slow, tmp_path, gro
     out, _ = p.communicate(timeout=120)
     assert out.count("records in") == 1, out[-4000:]  # one finalize
     meta = load_results(run_dir).meta
-    t = pq.read_table(run_dir / "requests.parquet")
+    t = read_run_table(run_dir, "requests")
     assert meta.interrupted and "SIGTERM" in meta.interruption
     assert meta.counts["records_written"] == meta.counts["requests_started"] == t.num_rows >= 2
     assert not [n for n in meta.incomplete if n.what in ("records", "load process(es)")

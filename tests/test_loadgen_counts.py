@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -74,7 +75,7 @@ def run(server, config, results, *extra, users=4, run_time="120s"):
         cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stderr[-3000:]
     meta = json.loads((results / "r" / "run.json").read_text())
-    t = pq.read_table(results / "r" / "requests.parquet").to_pylist()
+    t = read_run_table(results / "r", "requests").to_pylist()
     return t, meta
 
 

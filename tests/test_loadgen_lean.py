@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -64,7 +65,7 @@ def test_load_process_never_imports_pandas_or_pyarrow(server, tmp_path):
     meta = json.loads((run / "run.json").read_text())
     assert meta["stages"][0]["loop_pause_max_ms"] is not None
     # every record the load process wrote (as rows, no pyarrow) is in requests.parquet
-    t = pq.read_table(run / "requests.parquet")
+    t = read_run_table(run, "requests")
     assert t.num_rows == meta["counts"]["records_written"] > 0
     assert meta["counts"]["requests_started"] == t.num_rows
     assert len(set(t.column("request_id").to_pylist())) == t.num_rows

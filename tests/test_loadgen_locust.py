@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 from kvbench.core.store import load_results, shard_files
@@ -106,7 +107,7 @@ def locust(name, server, config, results, *extra, run_time="3s", users=3):
 def check_run(run_dir: Path, *, want_ok: bool = True):
     res = load_results(run_dir)
     meta = res.meta.to_dict()  # run.json as written
-    t = pq.read_table(run_dir / "requests.parquet")
+    t = read_run_table(run_dir, "requests")
     counts = meta["counts"]
     assert counts["requests_started"] == counts["records_written"] == t.num_rows > 0
     assert not shard_files(run_dir, "requests")  # compacted

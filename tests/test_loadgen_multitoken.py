@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orjson
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,7 +199,7 @@ def test_locust_records_multi_token_chunks_and_tpot_uses_usage(tmp_path):
     finally:
         testing.stop(proc)
     assert p.returncode == 0, p.stdout + p.stderr
-    t = pq.read_table(tmp_path / "mt" / "requests.parquet")
+    t = read_run_table(tmp_path / "mt", "requests")
     rows = [r for r in t.to_pylist() if r["status"] != "cancelled"]
     assert rows and all(r["status"] == "ok" for r in rows), rows[:3]
     for r in rows:

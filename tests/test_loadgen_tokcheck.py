@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -72,7 +73,7 @@ def test_plain_run_stops_on_a_tokenizer_mismatch(llama_like, tmp_path):
     assert "the server counted 2.82x the prompt tokens the client planned" in lines[0]
     assert "kvbench-words-v1" in lines[0] and "set suite.tokenizer" in lines[0]
     assert "Traceback" not in out
-    t = pq.read_table(tmp_path / "plain" / "requests.parquet")
+    t = read_run_table(tmp_path / "plain", "requests")
     # stopped at the first responses, not after a minute of load: the records say so
     ok = [r for r in t.to_pylist() if r["status"] == "ok"]
     assert CHECK_RESPONSES <= len(ok) <= CHECK_RESPONSES + 2
@@ -86,5 +87,5 @@ def test_plain_run_may_go_on_with_one_loud_warning(llama_like, tmp_path):
     assert p.returncode == 0, out
     warnings = [ln for ln in out.splitlines() if "WARNING: the server counted 2.82x" in ln]
     assert len(warnings) == 1, out
-    t = pq.read_table(tmp_path / "plain" / "requests.parquet")
+    t = read_run_table(tmp_path / "plain", "requests")
     assert t.column("status").to_pylist().count("ok") > CHECK_RESPONSES

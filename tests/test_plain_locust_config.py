@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,7 +67,7 @@ def test_a_bench_toml_in_the_current_directory_lends_its_slos(server, tmp_path):
     assert meta["config"]["slo"]["longctx"]["ttft_ms"] == 1234
     job = json.loads(next(run.glob("job-*.json")).read_text())
     assert job["slo"]["longctx"]["ttft_ms"] == 1234 and job["slo"]["longctx"]["tpot_ms"] == 77
-    assert pq.read_table(run / "requests.parquet").num_rows > 0
+    assert read_run_table(run, "requests").num_rows > 0
 
 
 def test_an_invalid_bench_toml_fails_before_any_load(tmp_path):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -20,7 +21,7 @@ LIMIT = 10
 def _records(res: Path):
     runs = [p for p in res.iterdir() if p.is_dir()]
     assert len(runs) == 1, runs
-    return pq.read_table(runs[0] / "requests.parquet").to_pylist()
+    return read_run_table(runs[0], "requests").to_pylist()
 
 
 def _run(tmp_path, host, *extra, t="60s"):

@@ -52,7 +52,7 @@ def test_parquet_then_live_shards_in_one_frame(tmp_path, shape, monkeypatch):
 def test_older_files_without_some_columns(tmp_path, shape):
     table, stages = synth_table(shape)
     old = table.drop_columns(["chunk_offsets_ns", "server_queue_ns", "server_region"])
-    run = write_run(tmp_path / "run", table, run_meta(shape, stages))
+    run = write_run(tmp_path / "run", table, run_meta(shape, stages), layout=1)
     pq.write_table(old, run / "requests.parquet")
     d = load([run])
     assert len(d.frame) == table.num_rows
@@ -64,7 +64,7 @@ def test_older_files_without_some_columns(tmp_path, shape):
 def test_a_run_with_no_requests_yet(tmp_path, shape):
     _, stages = synth_table(shape)
     run = tmp_path / "run"
-    write_run(run, synth_table(shape)[0].slice(0, 0), run_meta(shape, stages))
+    write_run(run, synth_table(shape)[0].slice(0, 0), run_meta(shape, stages), layout=1)
     (run / "requests.parquet").unlink()
     d = load([run])
     assert len(d.frame) == 0 and len(d.frame.attrs["itl"]) == 0

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,7 +220,7 @@ def test_no_planted_secret_in_any_output_of_run_locust_and_report(server, tmp_pa
     # the runs did reach the error path the secrets travel in
     assert run.returncode == 0, run.stderr[-2000:]
     assert _Handler.denied > 10
-    rows = pq.read_table(run_dir / "requests.parquet").to_pylist()
+    rows = read_run_table(run_dir, "requests").to_pylist()
     errors = [r["error"] for r in rows if r["status"] == "http_error"]
     assert errors and all(e.startswith("HTTP 401: Incorrect API key provided: Bearer ")
                           for e in errors)

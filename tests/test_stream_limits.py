@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from kvbench.core.store import read_table as read_run_table
 import pytest
 
 from kvbench.loadgen.timing.client import ConnectionPool, StreamingClient, Target
@@ -232,7 +233,7 @@ def test_plain_locust_against_an_endless_stream_ends_on_time_in_bounded_memory(t
           f"peak RSS {peak_mb:.0f} MB")
     assert wall < 60, (wall, text[-3000:])
     assert peak_mb < 300, (peak_mb, text[-3000:])
-    t = pq.read_table(tmp_path / "flood" / "requests.parquet")
+    t = read_run_table(tmp_path / "flood", "requests")
     status = t.column("status").to_pylist()
     assert status.count("protocol_error") >= 1, (status, text[-3000:])
     errors = {e for e, s in zip(t.column("error").to_pylist(), status) if s == "protocol_error"}

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvbench.core.errors import DataError
+from kvbench.core.layout import table_files
 
 # Offsets from t_sent (monotonic) and epoch times: none can be negative.
 NON_NEGATIVE = ("t_scheduled", "t_sent", "connect_ns", "ttft_ns", "e2e_ns", "server_queue_ns",
@@ -141,9 +142,14 @@ def check_requests(t: pa.Table, source: Path | str) -> None:
 
 
 def records_source(run_dir: Path | str) -> Path:
-    """What to name for a run's records: its ``requests.parquet`` when that is all there is,
-    else the results directory (parquet and live shards read together)."""
+    """What to name for a run's records: its one compacted file when that is all there is
+    (a layout-1 ``requests.parquet``, or a dataset of one file), its ``requests`` dataset
+    folder when only that is, else the results directory (compacted files and live shards
+    read together)."""
     run_dir = Path(run_dir)
-    pfile = run_dir / "requests.parquet"
-    shards = any(run_dir.glob("requests-*"))
-    return pfile if pfile.exists() and not shards else run_dir
+    files = table_files(run_dir, "requests")
+    if any(run_dir.glob("requests-*")) or not files:
+        return run_dir
+    if len(files) == 1:
+        return files[0]
+    return run_dir / "requests" if all(f.parent != run_dir for f in files) else run_dir

@@ -429,6 +429,9 @@ class RunMeta(Entry):
     interruption: str | None = None  # how, e.g. "SIGTERM to kvbench run"
     cache_states: list[CacheState] = field(default_factory=list)  # per job
     schema_version: int = SCHEMA_VERSION
+    # how the tables lie on disk (``kvbench.core.layout``): 2 the requests a Hive-partitioned
+    # dataset; 1 (run.json without it) one requests.parquet
+    layout: int = 1
     extra: dict = field(default_factory=dict, repr=False, compare=False)
 
     _nested: ClassVar = {"endpoints": ("list", EndpointEntry), "stages": ("list", StageEntry),

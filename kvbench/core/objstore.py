@@ -254,12 +254,11 @@ def read_latest(loc: Location) -> str | None:
 
 
 def local_files(run_dir: Path) -> dict[str, Path]:
-    """The files of a spooled run worth uploading: {path relative to the run: path}."""
-    out = {}
-    for p in sorted(run_dir.rglob("*")):
-        if p.is_file() and p.suffix != ".tmp" and p.name not in SKIP and p.name != MARKER:
-            out[p.relative_to(run_dir).as_posix()] = p
-    return out
+    """A spooled run's files to upload, sub-folders but no hidden ones (a compaction's work):
+    {relative path: path}."""
+    rels = {p: p.relative_to(run_dir).as_posix() for p in sorted(run_dir.rglob("*"))}
+    return {r: p for p, r in rels.items() if p.is_file() and p.suffix != ".tmp"
+            and p.name not in SKIP + (MARKER,) and not r.startswith(".") and "/." not in r}
 
 
 def upload_run(run_dir: Path, loc: Location, run_id: str, sent: dict | None = None) -> int:

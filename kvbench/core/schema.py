@@ -2,11 +2,13 @@
 
 Layout of a run (``results/<run_id>/``):
 
-* ``requests.parquet``: one row per request started (``REQUESTS``);
+* ``requests/endpoint=<e>/workload=<w>/part-<n>.parquet``: one row per request started
+  (``REQUESTS``), a Hive-partitioned dataset (``kvbench.core.layout``; runs of layout 1: one
+  ``requests.parquet``);
   while a run is live, each load process appends to ``requests-<host>-<pid>.rows`` (msgpack
   column lists with no types, ``kvbench.core.rows``, so the load process needs no pyarrow;
   readable up to its last complete batch) and the shards are typed by this module and
-  compacted into ``requests.parquet`` at the end;
+  compacted into the dataset at the end;
 * ``gpu.parquet``: telemetry samples per GPU (``GPU``), from NVML or the DCGM exporter;
 * ``engine.parquet``: raw engine ``/metrics`` samples (``ENGINE``), counters kept raw;
   while a run is live, the collectors append GPU and engine samples (the OTLP receiver its

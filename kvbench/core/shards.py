@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from kvbench.core import rows
 from kvbench.core.errors import DataError, DiskFull
+from kvbench.core.layout import partition_of, table_files
 from kvbench.core.rows import START_COLUMNS, shard_files
 from kvbench.core.schema import REQUESTS, SCHEMA_VERSION, STATUSES, TABLES
 
@@ -217,13 +218,14 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema, columns: Sequence[str] | 
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema([schema.field(n) for n in names]))
 
 
-def _shard_batches(run_dir: Path, table: str) -> Iterator[tuple[Path, pa.RecordBatch]]:
+def _shard_batches(run_dir: Path, table: str, files: Sequence[Path] | None = None
+                   ) -> Iterator[tuple[Path, pa.RecordBatch]]:
     """Every complete batch of every ``<table>-*`` shard (``.arrows``: Arrow IPC, written by
     the collectors and older runs; ``.rows``: a load process's msgpack rows, ``core.rows``),
     with its file (a killed writer loses only its unfinished batch; an empty file is a process
     that wrote nothing). A file that is not a stream of its kind, or one of another table or
-    schema, is a ``DataError``."""
-    for shard in shard_files(run_dir, table):
+    schema, is a ``DataError``. ``files``: these shards only."""
+    for shard in shard_files(run_dir, table) if files is None else files:
         try:
             if shard.suffix == rows.ROWS_SUFFIX:
                 for batch in _rows_batches(shard, table):
@@ -387,24 +389,33 @@ class ShardTail:
 
 
 def _parquet_batches(pfile: Path, table: str, read_cols: Sequence[str] | None,
-                     batch_size: int) -> Iterator[pa.RecordBatch]:
-    """Record batches of a table's parquet file; a file that is not Parquet, is cut short,
-    damaged or of another schema is a ``DataError`` naming it."""
+                     batch_size: int, parts: dict | None = None) -> Iterator[pa.RecordBatch]:
+    """Record batches of a table's parquet file (``parts``: the partition columns its folders
+    name, added as columns); a file that is not Parquet, is cut short, damaged or of another
+    schema is a ``DataError`` naming it."""
     def damaged(exc: Exception) -> DataError:
         size = pfile.stat().st_size if pfile.exists() else 0
         what = ("empty (0 bytes)" if size == 0 else
                 f"not a readable Parquet file ({str(exc).splitlines()[0][:160]})")
         return DataError(f"{pfile}: {what}; the run's {table} records cannot be read: restore "
                          "the file or rerun the run")
+    parts = parts or {}
     try:
         pf = pq.ParquetFile(pfile)
         have = pf.schema_arrow
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise damaged(exc) from None
+    for k in parts:
+        if k not in have.names:
+            have = have.append(pa.field(k, pa.string()))
     check_schema(have, table, pfile)
-    read = [c for c in (read_cols or TABLES[table].names) if c in have.names]
+    want = list(read_cols or TABLES[table].names)
+    read = [c for c in want if c in have.names and c not in parts]
     try:
         for batch in pf.iter_batches(batch_size=batch_size, columns=read):
+            for k, v in parts.items():
+                if k in want:
+                    batch = batch.append_column(k, pa.repeat(pa.scalar(v, pa.string()), batch.num_rows))
             yield batch
     except (pa.ArrowException, OSError, ValueError, IndexError, EOFError) as exc:
         raise damaged(exc) from None
@@ -413,8 +424,9 @@ def _parquet_batches(pfile: Path, table: str, read_cols: Sequence[str] | None,
 def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
          batch_size: int = 65_536, parquet: bool = True,
          shards: bool = True, strict: bool = False) -> Iterator[pa.RecordBatch]:
-    """The one reader of a run's tables: record batches of ``<table>.parquet`` (if compacted),
-    then of its live shards, each conformed to schema v1 (``columns`` only, missing columns of
+    """The one reader of a run's tables: record batches of its compacted files
+    (``layout.table_files``: the partitioned dataset, or a layout-1 ``<table>.parquet``), then
+    of its live shards, each conformed to schema v1 (``columns`` only, missing columns of
     older files as nulls). A damaged file is a ``DataError`` naming it; ``strict`` (readers of
     finished runs: reports, the gate) also refuses records without the values every finished
     record has (``NOT_NULL``) and unknown statuses."""
@@ -424,9 +436,9 @@ def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
         unknown = [c for c in columns if c not in schema.names]
         if unknown:
             raise ValueError(f"{table} has no column(s) {unknown}")
-    pfile = run_dir / f"{table}.parquet"
-    if parquet and pfile.exists():
-        for batch in _parquet_batches(pfile, table, columns, batch_size):
+    for pfile in table_files(run_dir, table) if parquet else ():
+        parts = partition_of(pfile, run_dir / table) if pfile.parent != run_dir else None
+        for batch in _parquet_batches(pfile, table, columns, batch_size, parts):
             yield _conform(batch, schema, columns, pfile, table, strict)
     if shards:
         for shard, batch in _shard_batches(run_dir, table):
@@ -435,7 +447,7 @@ def scan(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
 
 def read_table(run_dir: Path | str, table: str, columns: Sequence[str] | None = None,
                **kw) -> pa.Table:
-    """One table of a run (``scan`` gathered): parquet plus any live shards."""
+    """One table of a run (``scan`` gathered): compacted files plus any live shards."""
     schema = TABLES[table]
     batches = list(scan(run_dir, table, columns, **kw))
     if batches:

@@ -92,7 +92,8 @@ def finalize(run_dir: Path | str, jobs=(), *, workloads: dict | None = None,
         clock_offsets_ns=dict(clock_offsets_ns or {}), telemetry=dict(telemetry or {}),
         incomplete=notes, counts=merged.counts, workloads=described, workloads_sent=sent,
         interrupted=bool(interrupted), interruption=interrupted,
-        workers=workers, worker_clock_offsets_ns=offsets)
+        workers=workers, worker_clock_offsets_ns=offsets,
+        layout=1 if (run_dir / "requests.parquet").exists() else store.LAYOUT)
     run = _with(run, meta or {})
     # no known secret, header value or URL userinfo is written (redacted as JSON: every
     # string of every field, the config's included)
@@ -156,7 +157,7 @@ def worker_accounts(metas: list[ProcMeta]) -> tuple[dict, dict]:
 
 def killed_in_flight(run_dir: Path) -> int:
     """Records that compaction made of starts a killed load process left without a record."""
-    if not (run_dir / "requests.parquet").exists():
+    if not store.table_files(run_dir, "requests"):
         return 0
     err = store.read_table(run_dir, "requests", columns=["error"], shards=False).column("error")
     return pc.sum(pc.equal(err, store.KILLED_IN_FLIGHT)).as_py() or 0
