@@ -19,6 +19,9 @@ from synthetic import (EndpointShape, RunShape, engine_table, gpu_table, run_met
                        synth_table, write_run)
 
 
+from kvbench.core.store import table_files  # noqa: E402
+
+
 def synthesise(run_dir: Path, rows: int) -> None:
     endpoints = [EndpointShape("colocated", gpu_hour_cost=2.5),
                  EndpointShape("disaggregated", "disaggregated", ttft_base_ms=140, gpus=2,
@@ -45,7 +48,7 @@ def synthesise(run_dir: Path, rows: int) -> None:
 
     print(f"synthesised {table.num_rows:,} requests, "
           f"{pc.sum(pc.list_value_length(chunks)).as_py():,} chunk offsets, "
-          f"requests.parquet {((run_dir / 'requests.parquet').stat().st_size) / 1e6:.0f} MB")
+          f"compacted requests {sum(f.stat().st_size for f in table_files(run_dir, 'requests')) / 1e6:.0f} MB")
 
 
 def main() -> int:

@@ -59,7 +59,7 @@ def synthesise(run_dir: Path, rows: int) -> None:
     keep = parquet.with_suffix(".keep")
     parquet.rename(keep)  # write_run writes its own requests.parquet: an empty one, replaced
     write_run(run_dir, pa.Table.from_pylist([], schema=pq.read_schema(keep)),
-              run_meta(shape, stages, run_id="bench-columnar"))
+              run_meta(shape, stages, run_id="bench-columnar"), layout=1)
     keep.replace(parquet)
     print(f"synthesised {done:,} requests, {offsets:,} chunk offsets, requests.parquet "
           f"{parquet.stat().st_size / 1e6:.0f} MB on disk")

@@ -145,14 +145,16 @@ def records(draw):
     return [draw(record(i)) for i in range(n)]
 
 
-def _write(run_dir: Path, rows: list[dict], shard_rows: int = 0) -> None:
-    """A run from ``rows``: the first in requests.parquet, the last ``shard_rows`` in a live
-    Arrow shard (a run still being written, or never compacted)."""
+def _write(run_dir: Path, rows: list[dict], shard_rows: int = 0, layout: int = 2) -> None:
+    """A run from ``rows``: the first compacted (``layout`` 2: the Hive-partitioned dataset;
+    1: an older run's requests.parquet), the last ``shard_rows`` in a live Arrow shard (a run
+    still being written, or never compacted)."""
     table = pa.Table.from_pylist([{**dict.fromkeys(REQUESTS.names), **r} for r in rows],
                                  schema=REQUESTS)
     cut = table.num_rows - shard_rows
     shape = RunShape(endpoints=[EndpointShape("a"), EndpointShape("b")])
-    write_run(run_dir, table.slice(0, cut), run_meta(shape, [], config={"slo": SLO}))
+    write_run(run_dir, table.slice(0, cut), run_meta(shape, [], config={"slo": SLO}),
+              layout=layout)
     if shard_rows:
         w = ShardWriter(run_dir, "requests", tag="t")
         for b in table.slice(cut).to_batches():
@@ -163,10 +165,10 @@ def _write(run_dir: Path, rows: list[dict], shard_rows: int = 0) -> None:
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
-@given(rows=records(), shard=st.integers(0, 5))
-def test_generated_records_match_the_request_frame(tmp_path_factory, rows, shard):
+@given(rows=records(), shard=st.integers(0, 5), layout=st.sampled_from([1, 2]))
+def test_generated_records_match_the_request_frame(tmp_path_factory, rows, shard, layout):
     run_dir = tmp_path_factory.mktemp("run")
-    _write(run_dir, rows, min(shard, len(rows) - 1))
+    _write(run_dir, rows, min(shard, len(rows) - 1), layout=layout)
     assert_same(run_dir)
 
 
@@ -178,12 +180,12 @@ def test_only_shards_and_an_old_parquet(tmp_path):
              "t_scheduled": EPOCH + i, "t_sent": EPOCH + i, "ttft_ns": 10**6 * (i + 1),
              "e2e_ns": 10**7 * (i + 1), "chunk_offsets_ns": [10**6 * (i + 1), 10**7 * (i + 1)],
              "completion_tokens": 3} for i in range(5)]
-    _write(tmp_path / "shards", rows, shard_rows=5)
+    _write(tmp_path / "shards", rows, shard_rows=5, layout=1)
     (tmp_path / "shards" / "requests.parquet").unlink()
     agg = assert_same(tmp_path / "shards")
     assert agg.by_workload["requests"].tolist() == [5]
     old = tmp_path / "old"
-    _write(old, rows)
+    _write(old, rows, layout=1)
     pq.write_table(pq.read_table(old / "requests.parquet").drop_columns(["cached_tokens",
                                                                          "prompt_tokens"]),
                    old / "requests.parquet")

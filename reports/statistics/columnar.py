@@ -19,7 +19,8 @@ levels come from one scan.
 ITL is over the integer ns gaps (exact order), then converted as the report stores them
 (``definitions.gap_ms32``: float32 ms), so the figures are the report's to the last bit.
 
-Reads the run's ``requests.parquet`` with DuckDB's own Parquet reader; live shards (Arrow IPC,
+Reads the run's compacted requests (the Hive-partitioned ``requests/`` dataset, or an older
+run's ``requests.parquet``) with DuckDB's own Parquet reader; live shards (Arrow IPC,
 msgpack rows) and a Parquet file of an older schema go through the store's reader
 (``core.shards.scan``) into a DuckDB temporary table, which spills as well. DuckDB runs with a
 memory limit, a thread count and its own temporary folder, and never installs or loads an
@@ -42,7 +43,7 @@ import pyarrow.parquet as pq
 
 from kvbench.core.contract import slo_map
 from kvbench.core.schema import REQUESTS, STATUSES
-from kvbench.core.store import read_meta, scan, shard_files
+from kvbench.core.store import PARTITIONED, read_meta, scan, shard_files, table_files
 from kvbench.reports.measures import definitions as D
 
 STAGE_KEYS = ("endpoint", "workload", "request_class", "stage")
@@ -106,8 +107,21 @@ def _records(con, run_dir: Path, columns: Sequence[str]) -> None:
     """View ``records``: the run's requests (``columns``), Parquet and live shards."""
     parts = []
     cols = ", ".join(columns)
-    pfile = run_dir / "requests.parquet"
-    if pfile.exists():
+    pfile = run_dir / "requests.parquet"  # layout 1: one file
+    dataset = [f for f in table_files(run_dir, "requests") if f != pfile]  # layout 2: Hive
+    if dataset:
+        names = set(pq.read_schema(dataset[0]).names) | set(PARTITIONED["requests"])
+        if set(columns) <= names:
+            files = "[" + ", ".join(_lit(str(f)) for f in dataset) + "]"
+            parts.append(f"SELECT {cols} FROM read_parquet({files}, hive_partitioning = true, "
+                         "hive_types_autocast = false, union_by_name = true)")
+        else:  # an older schema: the store's reader adds the missing columns as nulls
+            # (it reads every compacted file, a layout-1 one beside the dataset too)
+            _ingest(con, "_kvbench_dataset", scan(run_dir, "requests", columns, shards=False,
+                                                  strict=True), columns)
+            parts.append(f"SELECT {cols} FROM _kvbench_dataset")
+    if pfile.exists() and not (dataset and len(parts)
+                               and "_kvbench_dataset" in parts[-1]):
         if set(columns) <= set(pq.read_schema(pfile).names):
             parts.append(f"SELECT {cols} FROM read_parquet({_lit(str(pfile))})")
         else:  # an older schema: the store's reader adds the missing columns as nulls
