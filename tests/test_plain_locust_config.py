@@ -109,7 +109,7 @@ def test_locusts_totals_count_each_llm_request_once(server, tmp_path):
                str(tmp_path / "lc"), "--kvbench-tokenizer-check", "off")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
-    rows = pq.read_table(_run_dir(tmp_path / "res") / "requests.parquet").to_pylist()
+    rows = read_run_table(_run_dir(tmp_path / "res"), "requests").to_pylist()
     told = [r for r in rows if r["status"] != "cancelled"]  # a stop's cut is no request
     assert len(told) > 0
     # Locust's final summary (complete at the end) counts one per LLM request
