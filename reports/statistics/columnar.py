@@ -288,16 +288,28 @@ def _gap_bucket(v: np.ndarray) -> np.ndarray:
     return bits
 
 
+def _parquet_files(src: tuple[Path, bool]) -> list[tuple[Path, dict[str, str]]]:
+    """The Parquet files of ``parquet_source`` with their Hive partition keys ({} if none)."""
+    from urllib.parse import unquote
+
+    path, hive = src
+    if not hive:
+        return [(path, {})]
+    return [(f, dict(unquote(seg).split("=", 1) for seg in f.relative_to(path).parent.parts
+                     if "=" in seg)) for f in sorted(path.rglob("*.parquet"))]
+
+
 def _itl_batches(run_dir: Path, columns: Sequence[str]):
     """The run's records (``columns``) as Arrow batches of at most ``ITL_BATCH`` rows:
-    Parquet through pyarrow's dataset scanner, an older schema and live shards through the
-    store's reader."""
+    Parquet file by file (``iter_batches`` without pre-buffering: a few MB in flight, where
+    the dataset scanner held a row group's pages of every column ahead), a partition key as
+    a constant column; an older schema and live shards through the store's reader."""
     src = parquet_source(run_dir)
     parts = []
     if src is not None:
-        dataset = _dataset(src)
-        if set(columns) <= set(dataset.schema.names):
-            parts.append(dataset.to_batches(columns=list(columns), batch_size=ITL_BATCH))
+        files = _parquet_files(src)
+        if all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files):
+            parts.append(_parquet_batches(files, columns))
         else:
             parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
     if shard_files(run_dir, "requests"):
@@ -306,6 +318,17 @@ def _itl_batches(run_dir: Path, columns: Sequence[str]):
         for batch in part:
             for s in range(0, batch.num_rows, ITL_BATCH):
                 yield batch.slice(s, ITL_BATCH)
+
+
+def _parquet_batches(files, columns: Sequence[str]):
+    for f, keys in files:
+        own = [c for c in columns if c not in keys]
+        for b in pq.ParquetFile(f, pre_buffer=False).iter_batches(batch_size=ITL_BATCH,
+                                                                   columns=own):
+            yield pa.RecordBatch.from_arrays(
+                [b.column(c) if c not in keys else
+                 pa.array([keys[c]] * b.num_rows).cast(REQUESTS.field(c).type)
+                 for c in columns], names=list(columns))
 
 
 def _norm(v):
