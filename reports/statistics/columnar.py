@@ -115,17 +115,11 @@ def parquet_source(run_dir: Path) -> tuple[Path, bool] | None:
     return (f, False) if f.exists() else None
 
 
-def _dataset(src: tuple[Path, bool]):
-    import pyarrow.dataset as ds
-
-    path, hive = src
-    return ds.dataset(str(path), format="parquet", partitioning="hive" if hive else None)
-
-
 def _read_sql(src: tuple[Path, bool]) -> str:
     path, hive = src
     if hive:
-        return f"read_parquet({_lit(str(path / '**' / '*.parquet'))}, hive_partitioning = true)"
+        return (f"read_parquet({_lit(str(path / '**' / '*.parquet'))}, "
+                "hive_partitioning = true, hive_types_autocast = false)")
     return f"read_parquet({_lit(str(path))})"
 
 
@@ -135,7 +129,7 @@ def _records(con, run_dir: Path, columns: Sequence[str]) -> None:
     cols = ", ".join(columns)
     src = parquet_source(run_dir)
     if src is not None:
-        if set(columns) <= set(_dataset(src).schema.names):
+        if _has(_parquet_files(src), columns):
             parts.append(f"SELECT {cols} FROM {_read_sql(src)}")
         else:  # an older schema: the store's reader adds the missing columns as nulls
             _ingest(con, "_kvbench_parquet", scan(run_dir, "requests", columns, shards=False,
@@ -299,6 +293,11 @@ def _parquet_files(src: tuple[Path, bool]) -> list[tuple[Path, dict[str, str]]]:
                      if "=" in seg)) for f in sorted(path.rglob("*.parquet"))]
 
 
+def _has(files, columns: Sequence[str]) -> bool:
+    """Every file holds ``columns`` (in it or as a partition key): today's schema."""
+    return all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files)
+
+
 def _itl_batches(run_dir: Path, columns: Sequence[str]):
     """The run's records (``columns``) as Arrow batches of at most ``ITL_BATCH`` rows:
     Parquet file by file (``iter_batches`` without pre-buffering: a few MB in flight, where
@@ -308,7 +307,7 @@ def _itl_batches(run_dir: Path, columns: Sequence[str]):
     parts = []
     if src is not None:
         files = _parquet_files(src)
-        if all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files):
+        if _has(files, columns):
             parts.append(_parquet_batches(files, columns))
         else:
             parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
