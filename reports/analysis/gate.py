@@ -86,7 +86,7 @@ class RuleResult:
                 f"vs max {self.limit:.4g}{'; ' + self.note if self.note else ''}")
 
 
-MAX_REQUESTS = 1_000_000  # above this many compacted requests a run is judged on a sample
+MAX_REQUESTS = 200_000  # above this many compacted requests a run is judged on a sample
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,6 @@ class Sampled:
     @property
     def fraction(self) -> float:
         return self.m / self.n
-
-    @property
-    def note(self) -> str:
-        return (f"estimated on a seeded sample of {self.m:,} of {self.n:,} requests, interval "
-                "rescaled by sqrt(m/n)")
 
 
 def load_bounded(path, max_requests: int | None = None, seed: int = 0):
@@ -385,7 +380,11 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
     sides = [("current", _sampled(cur))]
     if rule.max_value is None and base is not None:
         sides.insert(0, ("baseline", _sampled(base)))
-    sample_note = "; ".join(f"the {side} is {x.note}" for side, x in sides if x is not None)
+    sampled = [(side, x) for side, x in sides if x is not None]
+    sample_note = ("" if not sampled else
+                   " and ".join(side for side, _ in sampled) + " estimated on seeded samples of "
+                   + " and ".join(f"{x.m:,} of {x.n:,}" for _, x in sampled)
+                   + " requests, intervals rescaled by sqrt(m/n)")
     common = dict(metric=metric, endpoint=endpoint, request_class=rule.request_class,
                   n_current=len(fc))
     if rule.max_value is not None:

@@ -1,27 +1,39 @@
-"""Out-of-core aggregates of a run's requests on DuckDB (issue 34): per (endpoint, workload,
+"""Out-of-core aggregates of a run's requests (issue 34): per (endpoint, workload,
 request_class, stage) and per (endpoint, workload), the request counts (total, ok, errors by
 status, cancelled), the goodput counts (SLO judged and met) and EXACT percentiles of TTFT, TPOT,
 E2E and ITL, computed where the records lie without a row per request in memory.
 
-Every per-request value is ``reports.measures.definitions``' own ``sql`` evaluation of the same
-definition the request frame evaluates in numpy; the percentile is numpy's linear one,
-reproduced bit for bit (``tests/test_columnar.py`` holds both paths equal).
+Over 400 lines, kept whole: the two evaluations of one two-pass selection (DuckDB for the
+per-request values, numpy streaming for ITL's pooled gaps) share its order-statistic and
+interpolation code, and the equality test holds both to the request frame at once.
+
+Every per-request value is ``reports.measures.definitions``' own evaluation of the same
+definition the request frame evaluates (its ``sql`` in DuckDB; for ITL its numpy ``evaluate``
+on each batch); the percentile is numpy's linear one, reproduced bit for bit
+(``tests/test_columnar.py`` holds both paths equal).
 
 Exact percentiles without holding every value (DuckDB's exact quantile aggregates keep them
-all and do not spill): a two-pass selection. Pass 1 counts the values per group and log-spaced
-bucket (a hash aggregate, which spills to disk under the memory limit); from the cumulative
-counts, the buckets holding order statistics k and k+1 of each quantile (numpy's virtual index
-``(n - 1) * q``) are known. Pass 2 fetches only those buckets' values, which are sorted here.
-The bucket is monotone in the value, so the k-th value of the group is the r-th of its bucket.
-A per-workload group's histogram is the sum of its stages' and classes' histograms, so both
-levels come from one scan.
+all and do not spill): a two-pass selection. Pass 1 counts the values per group and bucket;
+from the cumulative counts, the buckets holding order statistics k and k+1 of each quantile
+(numpy's virtual index ``(n - 1) * q``) are known. Pass 2 fetches only those buckets' values,
+which are sorted here. The bucket is monotone in the value, so the k-th value of the group is
+the r-th of its bucket. A per-workload group's histogram is the sum of its stages' and
+classes' histograms, so both levels come from one scan.
 
-ITL is over the integer ns gaps (exact order), then converted as the report stores them
-(``definitions.gap_ms32``: float32 ms), so the figures are the report's to the last bit.
+TTFT, TPOT and E2E (one value per request) run in DuckDB over the scalar columns only (a hash
+aggregate, which spills under the memory limit). ITL (~47 gaps per request: 470M at 10M
+requests) is streamed: the list column is read file by file in batches of ``ITL_BATCH``
+requests, the gaps derived by the definitions' numpy evaluation, bucketed by their float64 bit
+pattern and counted by ``bincount`` into a dense (group, bucket) matrix; pass 2 reads them again
+and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few MB: on
+this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which is what
+unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps (exact
+order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
 
-Reads the run's ``requests.parquet`` with DuckDB's own Parquet reader; live shards (Arrow IPC,
-msgpack rows) and a Parquet file of an older schema go through the store's reader
-(``core.shards.scan``) into a DuckDB temporary table, which spills as well. DuckDB runs with a
+Where the run's Parquet lies is ``parquet_source`` alone: the single ``requests.parquet`` or a
+Hive-partitioned ``requests/`` dataset. Live shards (Arrow IPC, msgpack rows) and a Parquet
+file of an older schema go through the store's reader (``core.shards.scan``): into a DuckDB
+temporary table for the scalars (it spills as well), batch by batch for ITL. DuckDB runs with a
 memory limit, a thread count and its own temporary folder, and never installs or loads an
 extension (nothing is downloaded at run time).
 """
