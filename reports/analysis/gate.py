@@ -122,7 +122,10 @@ def load_bounded(path, max_requests: int | None = None, seed: int = 0):
     run_dir = Path(path)
     src = parquet_source(run_dir)
     files = ([src[0]] if not src[1] else sorted(src[0].rglob("*.parquet"))) if src else []
-    n = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    try:
+        n = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    except (OSError, pa.ArrowException):
+        n = 0  # a damaged file: the store's reader says so in one sentence
     if n <= limit:
         results = load_results(run_dir)
         results.sampled = None
