@@ -230,7 +230,10 @@ def test_a_hive_partitioned_requests_dataset_reads_the_same(tmp_path):
                                d / "part-0.parquet")
                 pq.write_table(part.slice(half).drop_columns(["endpoint", "workload"]),
                                d / "part-1.parquet")
-    assert C.parquet_source(hive) == (hive / "requests", True)
+    files = C.parquet_files(hive)
+    assert len(files) == 2 * len(got_keys := {tuple(k.values()) for _, k in files})
+    assert all(f.is_relative_to(hive / "requests") and set(k) == {"endpoint", "workload"}
+               for f, k in files)
     got = C.aggregate(hive)
     for lvl in ("by_stage", "by_workload"):
         a, b = getattr(want, lvl), getattr(got, lvl)

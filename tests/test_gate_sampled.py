@@ -70,3 +70,19 @@ def test_the_sample_is_seeded(tmp_path):
         b.requests.column("request_id").to_pylist()
     ids = np.asarray(a.requests.column("request_id").to_pylist())
     assert len(set(ids)) == len(ids)
+
+
+def test_a_hive_partitioned_large_run_is_sampled_with_its_keys(tmp_path):
+    """The requests dataset (keys only in the folder names) is sampled as the single file."""
+    import pyarrow.parquet as pq
+
+    c = _run(tmp_path, "c", 2)
+    table = load_results(c).requests
+    (c / "requests.parquet").unlink(missing_ok=True)
+    d = c / "requests" / "endpoint=colocated" / "workload=w%20x"
+    d.mkdir(parents=True)
+    pq.write_table(table.drop_columns(["endpoint", "workload"]), d / "part-0.parquet")
+    got = gate.load_bounded(c, max_requests=1000)
+    assert got.sampled is not None and got.sampled.n == table.num_rows
+    assert set(got.requests.column("endpoint").to_pylist()) == {"colocated"}
+    assert set(got.requests.column("workload").to_pylist()) == {"w x"}

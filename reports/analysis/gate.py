@@ -116,14 +116,13 @@ def load_bounded(path, max_requests: int | None = None, seed: int = 0):
     from kvbench.core.runjson import read_meta
     from kvbench.core.schema import REQUESTS, TABLES
     from kvbench.core.shards import read_table
-    from kvbench.reports.statistics.columnar import parquet_source
+    from kvbench.reports.statistics.columnar import parquet_batches, parquet_files
 
     limit = MAX_REQUESTS if max_requests is None else max_requests
     run_dir = Path(path)
-    src = parquet_source(run_dir)
-    files = ([src[0]] if not src[1] else sorted(src[0].rglob("*.parquet"))) if src else []
+    files = parquet_files(run_dir)
     try:
-        n = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        n = sum(pq.ParquetFile(f).metadata.num_rows for f, _ in files)
     except (OSError, pa.ArrowException):
         n = 0  # a damaged file: the store's reader says so in one sentence
     if n <= limit:
@@ -131,20 +130,15 @@ def load_bounded(path, max_requests: int | None = None, seed: int = 0):
         results.sampled = None
         return results
     rng = np.random.default_rng(seed)
-    if src[1]:
-        import pyarrow.dataset as ds
-
-        parts = ds.dataset(str(src[0]), format="parquet",
-                           partitioning="hive").to_batches(batch_size=128 * 1024)
-    else:
-        f = pq.ParquetFile(files[0])
-        parts = (f.read_row_group(i) for i in range(f.num_row_groups))
+    names = sorted(set().union(*(pq.read_schema(f).names for f, _ in files))
+                   | {k for _, keys in files for k in keys})
     kept = []
-    for part in parts:
-        rows = np.flatnonzero(rng.random(part.num_rows) < limit / n)
-        if len(rows):
-            t = part.take(pa.array(rows))
-            kept.append(t if isinstance(t, pa.Table) else pa.Table.from_batches([t]))
+    for f, keys in files:  # each file's own columns (an older one lacks some)
+        own = [c for c in names if c in keys or c in pq.read_schema(f).names]
+        for part in parquet_batches([(f, keys)], own, batch_size=128 * 1024):
+            rows = np.flatnonzero(rng.random(part.num_rows) < limit / n)
+            if len(rows):
+                kept.append(pa.Table.from_batches([part.take(pa.array(rows))]))
     requests = pa.concat_tables(kept, promote_options="permissive")
     for i, field in enumerate(REQUESTS):  # hive keys read back as their own types
         j = requests.schema.get_field_index(field.name)

@@ -30,8 +30,8 @@ this host a 376 MB numpy temporary cost ten times its arithmetic in page faults,
 unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps (exact
 order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
 
-Where the run's Parquet lies is ``parquet_source`` alone: the single ``requests.parquet`` or a
-Hive-partitioned ``requests/`` dataset. Live shards (Arrow IPC, msgpack rows) and a Parquet
+Where the run's Parquet lies is ``parquet_files`` alone: a Hive-partitioned ``requests/``
+dataset and an older run's single ``requests.parquet``. Live shards (Arrow IPC, msgpack rows) and a Parquet
 file of an older schema go through the store's reader (``core.shards.scan``): into a DuckDB
 temporary table for the scalars (it spills as well), batch by batch for ITL. DuckDB runs with a
 memory limit, a thread count and its own temporary folder, and never installs or loads an
@@ -115,34 +115,43 @@ def _ingest(con, name: str, batches, columns: Sequence[str]) -> None:
         con.unregister("_kvbench_in")
 
 
-def parquet_source(run_dir: Path) -> tuple[Path, bool] | None:
-    """Where the run's compacted Parquet records lie: (path, hive partitioned), or None.
-    The ONE place that knows the layout: a ``requests/`` dataset (Hive-partitioned, e.g.
-    ``endpoint=<e>/workload=<w>/part-<n>.parquet``) when it holds files, else the single
-    ``requests.parquet`` of older runs."""
+def parquet_files(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
+    """The run's compacted Parquet files of requests, each with its Hive partition keys ({}
+    for none). The ONE place that knows the layout: the files of a ``requests/`` dataset
+    (``endpoint=<e>/workload=<w>/part-<n>.parquet``, keys from the folder names) and an older
+    run's single ``requests.parquet``."""
+    from urllib.parse import unquote
+
+    out = []
     d = run_dir / "requests"
-    if d.is_dir() and next(d.rglob("*.parquet"), None) is not None:
-        return d, True
-    f = run_dir / "requests.parquet"
-    return (f, False) if f.exists() else None
+    if d.is_dir():
+        out += [(f, dict(unquote(seg).split("=", 1) for seg in f.relative_to(d).parent.parts
+                         if "=" in seg)) for f in sorted(d.rglob("*.parquet"))]
+    if (run_dir / "requests.parquet").exists():
+        out.append((run_dir / "requests.parquet", {}))
+    return out
 
 
-def _read_sql(src: tuple[Path, bool]) -> str:
-    path, hive = src
-    if hive:
-        return (f"read_parquet({_lit(str(path / '**' / '*.parquet'))}, "
-                "hive_partitioning = true, hive_types_autocast = false)")
-    return f"read_parquet({_lit(str(path))})"
+def _read_sql(files: list[tuple[Path, dict[str, str]]], cols: str) -> str:
+    """A DuckDB query of ``cols`` over ``files`` (Hive keys as text: no type guessing)."""
+    parts = []
+    for hive in (True, False):
+        some = [_lit(str(f)) for f, keys in files if bool(keys) == hive]
+        if some:
+            opts = ", hive_partitioning = true, hive_types_autocast = false" if hive else ""
+            parts.append(f"SELECT {cols} FROM read_parquet([{', '.join(some)}]{opts}, "
+                         "union_by_name = true)")
+    return " UNION ALL ".join(parts)
 
 
 def _records(con, run_dir: Path, columns: Sequence[str]) -> None:
     """View ``records``: the run's requests (``columns``), Parquet and live shards."""
     parts = []
     cols = ", ".join(columns)
-    src = parquet_source(run_dir)
-    if src is not None:
-        if _has(_parquet_files(src), columns):
-            parts.append(f"SELECT {cols} FROM {_read_sql(src)}")
+    files = parquet_files(run_dir)
+    if files:
+        if _has(files, columns):
+            parts.append(_read_sql(files, cols))
         else:  # an older schema: the store's reader adds the missing columns as nulls
             _ingest(con, "_kvbench_parquet", scan(run_dir, "requests", columns, shards=False,
                                                   strict=True), columns)
@@ -294,17 +303,6 @@ def _gap_bucket(v: np.ndarray) -> np.ndarray:
     return bits
 
 
-def _parquet_files(src: tuple[Path, bool]) -> list[tuple[Path, dict[str, str]]]:
-    """The Parquet files of ``parquet_source`` with their Hive partition keys ({} if none)."""
-    from urllib.parse import unquote
-
-    path, hive = src
-    if not hive:
-        return [(path, {})]
-    return [(f, dict(unquote(seg).split("=", 1) for seg in f.relative_to(path).parent.parts
-                     if "=" in seg)) for f in sorted(path.rglob("*.parquet"))]
-
-
 def _has(files, columns: Sequence[str]) -> bool:
     """Every file holds ``columns`` (in it or as a partition key): today's schema."""
     return all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files)
@@ -315,12 +313,11 @@ def _itl_batches(run_dir: Path, columns: Sequence[str]):
     Parquet file by file (``iter_batches`` without pre-buffering: a few MB in flight, where
     the dataset scanner held a row group's pages of every column ahead), a partition key as
     a constant column; an older schema and live shards through the store's reader."""
-    src = parquet_source(run_dir)
+    files = parquet_files(run_dir)
     parts = []
-    if src is not None:
-        files = _parquet_files(src)
+    if files:
         if _has(files, columns):
-            parts.append(_parquet_batches(files, columns))
+            parts.append(parquet_batches(files, columns))
         else:
             parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
     if shard_files(run_dir, "requests"):
@@ -331,10 +328,12 @@ def _itl_batches(run_dir: Path, columns: Sequence[str]):
                 yield batch.slice(s, ITL_BATCH)
 
 
-def _parquet_batches(files, columns: Sequence[str]):
+def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH):
+    """``columns`` of ``files`` (``parquet_files``) in batches, file by file, a partition key
+    as a constant column of its ``REQUESTS`` type."""
     for f, keys in files:
         own = [c for c in columns if c not in keys]
-        for b in pq.ParquetFile(f, pre_buffer=False).iter_batches(batch_size=ITL_BATCH,
+        for b in pq.ParquetFile(f, pre_buffer=False).iter_batches(batch_size=batch_size,
                                                                    columns=own):
             yield pa.RecordBatch.from_arrays(
                 [b.column(c) if c not in keys else
