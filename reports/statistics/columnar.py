@@ -138,9 +138,9 @@ def _read_sql(files: list[tuple[Path, dict[str, str]]], cols: str) -> str:
     for hive in (True, False):
         some = [_lit(str(f)) for f, keys in files if bool(keys) == hive]
         if some:
-            opts = ", hive_partitioning = true, hive_types_autocast = false" if hive else ""
-            parts.append(f"SELECT {cols} FROM read_parquet([{', '.join(some)}]{opts}, "
-                         "union_by_name = true)")
+            opts = (", hive_partitioning = true, hive_types_autocast = false, "
+                    "union_by_name = true") if hive else ""
+            parts.append(f"SELECT {cols} FROM read_parquet([{', '.join(some)}]{opts})")
     return " UNION ALL ".join(parts)
 
 
