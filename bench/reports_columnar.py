@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parents[1] / "tests"))  # synthetic results
 BATCH = 500_000  # requests synthesised at once
 
 
-def synthesise(run_dir: Path, rows: int) -> None:
+def synthesise(run_dir: Path, rows: int, seed: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -41,7 +41,7 @@ def synthesise(run_dir: Path, rows: int) -> None:
         n = min(BATCH, rows - done)
         shape = RunShape(endpoints=endpoints, stage_rates_rps=(50.0, 150.0),
                          requests_per_stage=max(1, n // per), output_tokens_median=160,
-                         max_chunks=50, sessions_turns=4, seed=i)
+                         max_chunks=50, sessions_turns=4, seed=seed * 100_003 + i)
         table, st = synth_table(shape, run_id="bench-columnar")
         stages = stages or st
         ids = pc.binary_join_element_wise(table.column("request_id"), f"b{i}", "#")

@@ -206,3 +206,50 @@ def test_the_engine_downloads_nothing():
     assert got["autoload_known_extensions"] == "false"
     assert got["threads"] == "2"
     assert duckdb.__version__
+
+
+def test_a_hive_partitioned_requests_dataset_reads_the_same(tmp_path):
+    """The layout runs are moving to: ``requests/endpoint=<e>/workload=<w>/part-<n>.parquet``
+    (the partition keys only in the path) gives the figures of the single file."""
+    shape = RunShape(endpoints=[EndpointShape("a", error_rate=0.1), EndpointShape("b")],
+                     requests_per_stage=200, stage_rates_rps=(5.0, 10.0), max_chunks=20)
+    table, stages = synth_table(shape)
+    single = write_run(tmp_path / "single", table, run_meta(shape, stages), layout=1)
+    want = C.aggregate(single)
+    hive = write_run(tmp_path / "hive", table, run_meta(shape, stages), layout=1)
+    (hive / "requests.parquet").unlink()
+    import pyarrow.compute as pc
+
+    for e in pc.unique(table.column("endpoint")).to_pylist():
+        for w in pc.unique(table.column("workload")).to_pylist():
+            part = table.filter(pc.and_(pc.equal(table.column("endpoint"), e),
+                                        pc.equal(table.column("workload"), w)))
+            if part.num_rows:
+                d = hive / "requests" / f"endpoint={e}" / f"workload={w}"
+                d.mkdir(parents=True)
+                half = part.num_rows // 2
+                pq.write_table(part.slice(0, half).drop_columns(["endpoint", "workload"]),
+                               d / "part-0.parquet")
+                pq.write_table(part.slice(half).drop_columns(["endpoint", "workload"]),
+                               d / "part-1.parquet")
+    files = C.parquet_files(hive)
+    assert len(files) == 2 * len(got_keys := {tuple(k.values()) for _, k in files})
+    assert all(f.is_relative_to(hive / "requests") and set(k) == {"endpoint", "workload"}
+               for f, k in files)
+    got = C.aggregate(hive)
+    for lvl in ("by_stage", "by_workload"):
+        a, b = getattr(want, lvl), getattr(got, lvl)
+        keys = list(C.STAGE_KEYS if lvl == "by_stage" else C.WORKLOAD_KEYS)
+        a, b = a.sort_values(keys).reset_index(drop=True), b.sort_values(keys).reset_index(
+            drop=True)
+        assert a.drop(columns=keys).equals(b.drop(columns=keys)), lvl
+        assert a[keys].astype(str).equals(b[keys].astype(str))
+
+
+def test_itl_buckets_are_monotone_in_the_gap():
+    rng = np.random.default_rng(3)
+    v = np.sort(np.r_[rng.integers(-10**12, 10**12, 20000), rng.integers(-5, 5, 100),
+                      [0, -1, 1, 2**62, -2**62, 2**53 + 1, 2**53]]).astype(np.int64)
+    b = C._gap_bucket(v)
+    assert (np.diff(b) >= 0).all()
+    assert (b[v < 0] < b[v >= 0].min()).all()

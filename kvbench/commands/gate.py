@@ -128,13 +128,12 @@ def _run(args) -> int:
     from pydantic import ValidationError
 
     from kvbench.config import GateConfig, load_config, one_sentence
-    from kvbench.core.store import load_results
     from kvbench.reports.analysis import gate
     from kvbench.commands.recover import ensure_recovered, local_run
 
     current_path = local_run(args.current)  # s3://: a local copy
     ensure_recovered(current_path)  # a killed run: its run.json rebuilt first
-    current = load_results(current_path)
+    current = gate.load_bounded(current_path)
     if args.config:
         cfg = load_config(args.config)
         gate_cfg, slo = cfg.gate, {k: v.model_dump() for k, v in cfg.slo.items()}
@@ -166,7 +165,7 @@ def _run(args) -> int:
     suite = current.meta.suite
     base_paths = _resolve_baseline(args.baseline, results_dir, suite, current_path, store)
     base_path = " + ".join(str(p) for p in base_paths)
-    baseline = _pooled([load_results(p) for p in base_paths])
+    baseline = _pooled([gate.load_bounded(p) for p in base_paths])
     results = gate.evaluate(baseline, current, gate_cfg, slo=slo, seed=args.seed,
                             allow_missing=args.allow_missing)
     verdict = gate.overall(results)
@@ -226,7 +225,14 @@ def _pooled(runs: list):
     first = runs[0]
     meta = dataclasses.replace(first.meta, stages=[s for r in runs for s in r.meta.stages])
     requests = pa.concat_tables([r.requests for r in runs], promote_options="default")
-    return dataclasses.replace(first, meta=meta, tables=dict(first.tables, requests=requests))
+    pooled = dataclasses.replace(first, meta=meta, tables=dict(first.tables, requests=requests))
+    pooled.sampled = None  # a large run is judged on a sample (gate.load_bounded)
+    if any(getattr(r, "sampled", None) is not None for r in runs):
+        from kvbench.reports.analysis.gate import Sampled
+
+        pooled.sampled = Sampled(requests.num_rows, sum(
+            r.sampled.n if getattr(r, "sampled", None) else r.requests.num_rows for r in runs))
+    return pooled
 
 
 def _upload_verdict(url: str, path: Path) -> None:
@@ -250,18 +256,27 @@ def _history_rows(results, slo) -> list[dict]:
     from kvbench.reports.analysis.history import FIGURES
 
     frame = M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
+    sampled = getattr(results, "sampled", None)  # a large run: its seeded sample's figures
+
+    def value(part, name: str) -> float:
+        v = M.statistic(part, name)
+        if sampled is not None and M.METRIC_INFO[M.metric_name(name)].counts_arrivals:
+            v = v / sampled.fraction  # a rate over the whole run's arrivals
+        return v
+
     rows = []
     for ep in frame["endpoint"].cat.categories:
         sub = frame[frame["endpoint"] == ep]
         for name in KEY_METRICS:
             rows.append({"endpoint": ep, "request_class": "*", "metric": name,
-                         "value": M.statistic(sub, name)})
+                         "value": value(sub, name)})
         for wl in sorted(sub["workload"].dropna().unique()):
             part = sub[sub["workload"] == wl]
             for name in FIGURES[1:]:
                 rows.append({"endpoint": ep, "workload": wl, "request_class": "*",
-                             "metric": name, "value": M.statistic(part, name)})
-    if any(s.search is not None for s in results.meta.stages or []):
+                             "metric": name, "value": value(part, name)})
+    # a capacity search's probes are short; a sampled run's capacity is not estimated
+    if sampled is None and any(s.search is not None for s in results.meta.stages or []):
         from kvbench.reports.analysis.capacity import summarise
 
         for c in summarise(results.meta.stages, frame, slo):

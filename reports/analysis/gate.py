@@ -24,6 +24,15 @@ the schedules differ (another seed, rate, duration, workload or pacing) the numb
 is itself random, so each replicate is also scaled by Poisson(n) / n (the count of a Poisson
 process in a fixed window). Without it two A/A runs with different seeds "fail" goodput on a
 zero-width interval.
+
+A run of more than ``MAX_REQUESTS`` compacted requests (a soak, a 10M-request night) is not
+loaded whole (``load_bounded``): the gate judges a seeded uniform sample of about
+``MAX_REQUESTS`` of them, read a row group at a time, so a gate on two such runs stays within a
+bounded memory. Its statistics are the sample's (rates and token rates scaled by n / m, the
+inverse of the sampled fraction), its bootstrap spread is rescaled by sqrt(m / n) to the whole
+run's (m-out-of-n, as the ITL cluster bootstrap does), pairing is off (two samples share few
+requests), and the rule's note says so in every output. Runs at or under the bound are judged
+exactly as before.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.core.errors import DataError, UserError
-from kvbench.core.store import RunMeta
+from kvbench.core.store import RunMeta, load_results
 from kvbench.reports.statistics import metrics as M
 
 # "missing": a rule without data that the user allowed; it neither passes nor fails the gate
@@ -77,8 +86,104 @@ class RuleResult:
                 f"vs max {self.limit:.4g}{'; ' + self.note if self.note else ''}")
 
 
+MAX_REQUESTS = 200_000  # above this many compacted requests a run is judged on a sample
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A run judged on ``m`` of its ``n`` requests (``load_bounded``)."""
+
+    m: int
+    n: int
+
+    @property
+    def fraction(self) -> float:
+        return self.m / self.n
+
+
+def load_bounded(path, max_requests: int | None = None, seed: int = 0):
+    """``load_results`` of the run at ``path``, unless its compacted requests are more than
+    ``max_requests`` (default ``MAX_REQUESTS``): then its requests table is a seeded uniform
+    sample of about that many, read a row group at a time, and ``results.sampled`` says so
+    (a ``Sampled``; None when the run is whole). Live shards of such a run are not sampled."""
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kvbench.core.checks import check_requests, records_source
+    from kvbench.core.compact import Results, align_worker_clocks
+    from kvbench.core.runjson import read_meta
+    from kvbench.core.schema import REQUESTS, TABLES
+    from kvbench.core.shards import read_table
+    from kvbench.reports.statistics.columnar import parquet_batches, parquet_files
+
+    limit = MAX_REQUESTS if max_requests is None else max_requests
+    run_dir = Path(path)
+    files = parquet_files(run_dir)
+    try:
+        n = sum(pq.ParquetFile(f).metadata.num_rows for f, _ in files)
+    except (OSError, pa.ArrowException):
+        n = 0  # a damaged file: the store's reader says so in one sentence
+    if n <= limit:
+        results = load_results(run_dir)
+        results.sampled = None
+        return results
+    rng = np.random.default_rng(seed)
+    names = sorted(set().union(*(pq.read_schema(f).names for f, _ in files))
+                   | {k for _, keys in files for k in keys})
+    kept = []
+    for f, keys in files:  # each file's own columns (an older one lacks some)
+        own = [c for c in names if c in keys or c in pq.read_schema(f).names]
+        for part in parquet_batches([(f, keys)], own, batch_size=128 * 1024):
+            rows = np.flatnonzero(rng.random(part.num_rows) < limit / n)
+            if len(rows):
+                kept.append(pa.Table.from_batches([part.take(pa.array(rows))]))
+    requests = pa.concat_tables(kept, promote_options="permissive")
+    for i, field in enumerate(REQUESTS):  # hive keys read back as their own types
+        j = requests.schema.get_field_index(field.name)
+        if j < 0:
+            requests = requests.append_column(field, pa.nulls(requests.num_rows, field.type))
+        elif requests.schema.field(j).type != field.type:
+            requests = requests.set_column(j, field, requests.column(j).cast(field.type))
+    requests = requests.select(REQUESTS.names)
+    meta = read_meta(run_dir)
+    tables = {name: read_table(run_dir, name, strict=True) for name in TABLES
+              if name != "requests"}
+    check_requests(requests, records_source(run_dir))
+    tables["requests"] = align_worker_clocks(requests, meta.worker_clock_offsets_ns)
+    results = Results(run_dir, meta, tables)
+    results.sampled = Sampled(requests.num_rows, n)
+    return results
+
+
 def _frame(results, slo: dict | None) -> pd.DataFrame:
-    return M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
+    frame = M.request_frame(results.requests, stages=results.meta.stages, slo=slo)
+    frame.attrs["sampled"] = getattr(results, "sampled", None)
+    return frame
+
+
+def _sampled(frame: pd.DataFrame) -> Sampled | None:
+    return frame.attrs.get("sampled")
+
+
+def _replicates(frame: pd.DataFrame, metric: str, resamples: int,
+                seed: int) -> tuple[float, np.ndarray]:
+    """``M.bootstrap_replicates``; on a sampled run (``load_bounded``) a rate is scaled by
+    n / m and the replicates' spread about the estimate by sqrt(m / n)."""
+    est, reps = M.bootstrap_replicates(frame, metric, resamples, seed)
+    s = _sampled(frame)
+    if s is None or not math.isfinite(est):
+        return est, reps
+    if M.METRIC_INFO[metric].counts_arrivals:
+        est, reps = est / s.fraction, reps / s.fraction
+    return est, est + (reps - est) * math.sqrt(s.fraction)
+
+
+def _arrivals(frame: pd.DataFrame) -> int:
+    """The requests of ``frame``'s run it stands for (the sample's over its fraction)."""
+    s = _sampled(frame)
+    return len(frame) if s is None else int(round(len(frame) / s.fraction))
 
 
 def _select(frame: pd.DataFrame, endpoint: str, request_class: str) -> pd.DataFrame:
@@ -268,7 +373,15 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
     info = M.METRIC_INFO[metric]
     conf, b = gate_cfg.confidence, gate_cfg.bootstrap_resamples
     fc = _select(cur, endpoint, rule.request_class)
-    est_c, reps_c = M.bootstrap_replicates(fc, metric, b, seed)
+    est_c, reps_c = _replicates(fc, metric, b, seed)
+    sides = [("current", _sampled(cur))]
+    if rule.max_value is None and base is not None:
+        sides.insert(0, ("baseline", _sampled(base)))
+    sampled = [(side, x) for side, x in sides if x is not None]
+    sample_note = ("" if not sampled else
+                   " and ".join(side for side, _ in sampled) + " estimated on seeded samples of "
+                   + " and ".join(f"{x.m:,} of {x.n:,}" for _, x in sampled)
+                   + " requests, intervals rescaled by sqrt(m/n)")
     common = dict(metric=metric, endpoint=endpoint, request_class=rule.request_class,
                   n_current=len(fc))
     if rule.max_value is not None:
@@ -281,6 +394,7 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
             verdict, note = "fail", ""
         else:
             verdict, note = "inconclusive", ""
+        note = _with(note, sample_note if verdict != "missing" else "")
         return RuleResult(kind="absolute", limit=rule.max_value, baseline=math.nan,
                           current=est_c, low=lo, high=hi, n_baseline=0, verdict=verdict,
                           note=note, **common)
@@ -288,7 +402,7 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
         raise DataError(f"gate rule {rule.metric} is relative and needs a baseline; give "
                         "--baseline")
     fb = _select(base, endpoint, rule.request_class)
-    est_b, reps_b = M.bootstrap_replicates(fb, metric, b, seed + 1)
+    est_b, reps_b = _replicates(fb, metric, b, seed + 1)
     if rule.max_increase_pct is not None:
         limit = 1 + rule.max_increase_pct / 100
     else:
@@ -307,11 +421,12 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
             verdict, note = "inconclusive", "baseline is zero: a ratio is undefined"
     else:
         rng = np.random.default_rng(seed + 2)
-        noisy_b = None if shared_schedule else info.schedule_noise(reps_b, len(fb), rng)
+        noisy_b = None if shared_schedule else info.schedule_noise(reps_b, _arrivals(fb), rng)
         if noisy_b is not None:
-            reps_b, reps_c = noisy_b, info.schedule_noise(reps_c, len(fc), rng)
+            reps_b, reps_c = noisy_b, info.schedule_noise(reps_c, _arrivals(fc), rng)
             note = "arrival schedules differ: the rate's interval includes Poisson count noise"
-        paired = _paired_ratio(fb, fc, info, b, rng) if shared_schedule else None
+        paired = (_paired_ratio(fb, fc, info, b, rng) if shared_schedule and not sample_note
+                  else None)
         if paired is not None:
             ratio, est_b, est_c = paired.ratio, paired.baseline, paired.current
             note = (f"paired bootstrap over {paired.pairs} requests replayed in both runs "
@@ -330,8 +445,13 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
         warn = ("this rule bounds an increase of a higher-is-better metric" if increase_rule
                 else "this rule bounds a decrease of a lower-is-better metric")
         note = f"{note}; {warn}" if note else warn
+    note = _with(note, sample_note if verdict != "missing" else "")
     return RuleResult(kind="relative", limit=limit, baseline=est_b, current=est_c, low=lo,
                       high=hi, n_baseline=len(fb), verdict=verdict, note=note, **common)
+
+
+def _with(note: str, more: str) -> str:
+    return f"{note}; {more}" if note and more else note or more
 
 
 def overall(results: list[RuleResult]) -> str:

@@ -1,28 +1,39 @@
-"""Out-of-core aggregates of a run's requests on DuckDB (issue 34): per (endpoint, workload,
+"""Out-of-core aggregates of a run's requests (issue 34): per (endpoint, workload,
 request_class, stage) and per (endpoint, workload), the request counts (total, ok, errors by
 status, cancelled), the goodput counts (SLO judged and met) and EXACT percentiles of TTFT, TPOT,
 E2E and ITL, computed where the records lie without a row per request in memory.
 
-Every per-request value is ``reports.measures.definitions``' own ``sql`` evaluation of the same
-definition the request frame evaluates in numpy; the percentile is numpy's linear one,
-reproduced bit for bit (``tests/test_columnar.py`` holds both paths equal).
+Over 400 lines, kept whole: the two evaluations of one two-pass selection (DuckDB for the
+per-request values, numpy streaming for ITL's pooled gaps) share its order-statistic and
+interpolation code, and the equality test holds both to the request frame at once.
+
+Every per-request value is ``reports.measures.definitions``' own evaluation of the same
+definition the request frame evaluates (its ``sql`` in DuckDB; for ITL its numpy ``evaluate``
+on each batch); the percentile is numpy's linear one, reproduced bit for bit
+(``tests/test_columnar.py`` holds both paths equal).
 
 Exact percentiles without holding every value (DuckDB's exact quantile aggregates keep them
-all and do not spill): a two-pass selection. Pass 1 counts the values per group and log-spaced
-bucket (a hash aggregate, which spills to disk under the memory limit); from the cumulative
-counts, the buckets holding order statistics k and k+1 of each quantile (numpy's virtual index
-``(n - 1) * q``) are known. Pass 2 fetches only those buckets' values, which are sorted here.
-The bucket is monotone in the value, so the k-th value of the group is the r-th of its bucket.
-A per-workload group's histogram is the sum of its stages' and classes' histograms, so both
-levels come from one scan.
+all and do not spill): a two-pass selection. Pass 1 counts the values per group and bucket;
+from the cumulative counts, the buckets holding order statistics k and k+1 of each quantile
+(numpy's virtual index ``(n - 1) * q``) are known. Pass 2 fetches only those buckets' values,
+which are sorted here. The bucket is monotone in the value, so the k-th value of the group is
+the r-th of its bucket. A per-workload group's histogram is the sum of its stages' and
+classes' histograms, so both levels come from one scan.
 
-ITL is over the integer ns gaps (exact order), then converted as the report stores them
-(``definitions.gap_ms32``: float32 ms), so the figures are the report's to the last bit.
+TTFT, TPOT and E2E (one value per request) run in DuckDB over the scalar columns only (a hash
+aggregate, which spills under the memory limit). ITL (~47 gaps per request: 470M at 10M
+requests) is streamed: the list column is read file by file in batches of ``ITL_BATCH``
+requests, the gaps derived by the definitions' numpy evaluation, bucketed by their float64 bit
+pattern and counted by ``bincount`` into a dense (group, bucket) matrix; pass 2 reads them again
+and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few MB: on
+this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which is what
+unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps (exact
+order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
 
-Reads the run's compacted requests (the Hive-partitioned ``requests/`` dataset, or an older
-run's ``requests.parquet``) with DuckDB's own Parquet reader; live shards (Arrow IPC,
-msgpack rows) and a Parquet file of an older schema go through the store's reader
-(``core.shards.scan``) into a DuckDB temporary table, which spills as well. DuckDB runs with a
+Where the run's Parquet lies is ``parquet_files`` alone: a Hive-partitioned ``requests/``
+dataset and an older run's single ``requests.parquet``. Live shards (Arrow IPC, msgpack rows) and a Parquet
+file of an older schema go through the store's reader (``core.shards.scan``): into a DuckDB
+temporary table for the scalars (it spills as well), batch by batch for ITL. DuckDB runs with a
 memory limit, a thread count and its own temporary folder, and never installs or loads an
 extension (nothing is downloaded at run time).
 """
@@ -43,7 +54,7 @@ import pyarrow.parquet as pq
 
 from kvbench.core.contract import slo_map
 from kvbench.core.schema import REQUESTS, STATUSES
-from kvbench.core.store import PARTITIONED, read_meta, scan, shard_files, table_files
+from kvbench.core.store import read_meta, scan, shard_files, table_files
 from kvbench.reports.measures import definitions as D
 
 STAGE_KEYS = ("endpoint", "workload", "request_class", "stage")
@@ -51,6 +62,7 @@ WORKLOAD_KEYS = ("endpoint", "workload")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
 # metric -> the definition giving its per-request values (ITL: the gaps, pooled)
 LATENCIES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "itl": "itl_gaps_ns"}
+SCALARS = tuple(m for m in LATENCIES if m != "itl")  # one value per request
 ERROR_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "cancelled"))
 COUNTS = ("requests", "ok", "errors", "cancelled", "judged", "met",
           *(f"errors_{s}" for s in ERROR_STATUSES))
@@ -103,27 +115,39 @@ def _ingest(con, name: str, batches, columns: Sequence[str]) -> None:
         con.unregister("_kvbench_in")
 
 
+def parquet_files(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
+    """The run's compacted Parquet files of requests, each with its Hive partition keys ({}
+    for none). The ONE place that knows the layout: the files of a ``requests/`` dataset
+    (``endpoint=<e>/workload=<w>/part-<n>.parquet``, keys from the folder names) and an older
+    run's single ``requests.parquet``."""
+    from urllib.parse import unquote
+
+    d = run_dir / "requests"
+    return [(f, dict(unquote(seg).split("=", 1) for seg in f.relative_to(d).parent.parts
+                     if "=" in seg) if f.parent != run_dir else {})
+            for f in table_files(run_dir, "requests")]  # the store's own listing
+
+
+def _read_sql(files: list[tuple[Path, dict[str, str]]], cols: str) -> str:
+    """A DuckDB query of ``cols`` over ``files`` (Hive keys as text: no type guessing)."""
+    parts = []
+    for hive in (True, False):
+        some = [_lit(str(f)) for f, keys in files if bool(keys) == hive]
+        if some:
+            opts = (", hive_partitioning = true, hive_types_autocast = false, "
+                    "union_by_name = true") if hive else ""
+            parts.append(f"SELECT {cols} FROM read_parquet([{', '.join(some)}]{opts})")
+    return " UNION ALL ".join(parts)
+
+
 def _records(con, run_dir: Path, columns: Sequence[str]) -> None:
     """View ``records``: the run's requests (``columns``), Parquet and live shards."""
     parts = []
     cols = ", ".join(columns)
-    pfile = run_dir / "requests.parquet"  # layout 1: one file
-    dataset = [f for f in table_files(run_dir, "requests") if f != pfile]  # layout 2: Hive
-    if dataset:
-        names = set(pq.read_schema(dataset[0]).names) | set(PARTITIONED["requests"])
-        if set(columns) <= names:
-            files = "[" + ", ".join(_lit(str(f)) for f in dataset) + "]"
-            parts.append(f"SELECT {cols} FROM read_parquet({files}, hive_partitioning = true, "
-                         "hive_types_autocast = false, union_by_name = true)")
-        else:  # an older schema: the store's reader adds the missing columns as nulls
-            # (it reads every compacted file, a layout-1 one beside the dataset too)
-            _ingest(con, "_kvbench_dataset", scan(run_dir, "requests", columns, shards=False,
-                                                  strict=True), columns)
-            parts.append(f"SELECT {cols} FROM _kvbench_dataset")
-    if pfile.exists() and not (dataset and len(parts)
-                               and "_kvbench_dataset" in parts[-1]):
-        if set(columns) <= set(pq.read_schema(pfile).names):
-            parts.append(f"SELECT {cols} FROM read_parquet({_lit(str(pfile))})")
+    files = parquet_files(run_dir)
+    if files:
+        if _has(files, columns):
+            parts.append(_read_sql(files, cols))
         else:  # an older schema: the store's reader adds the missing columns as nulls
             _ingest(con, "_kvbench_parquet", scan(run_dir, "requests", columns, shards=False,
                                                   strict=True), columns)
@@ -145,19 +169,16 @@ def _bucket(v: str) -> str:
 
 
 def _views(con, slo: Mapping[str, object]) -> None:
-    """``req`` (the definitions per request), ``scalar_values`` and ``itl_values`` (one row
-    per value: keys, metric ``m``, value ``v``, bucket ``b``)."""
+    """``req`` (the definitions per request) and ``scalar_values`` (one row per value: keys,
+    metric ``m``, value ``v``, bucket ``b``). ITL's gaps are not here: ``_itl`` streams them."""
     keys = ", ".join(STAGE_KEYS)
     flags = ", ".join(f"{D.sql(f, slo)} AS {f}" for f in _FLAGS)
-    lat = ", ".join(f"{D.sql(d, slo)} AS {m}" for m, d in LATENCIES.items())
+    lat = ", ".join(f"{D.sql(d, slo)} AS {m}" for m, d in LATENCIES.items() if m in SCALARS)
     con.execute(f"CREATE TEMP VIEW req AS SELECT {keys}, status, {flags}, {lat} FROM records")
-    scalars = [m for m in LATENCIES if m != "itl"]
     # UNPIVOT leaves out nulls: a request without the value is not in its sample
     con.execute(f"""CREATE TEMP VIEW scalar_values AS SELECT *, {_bucket('v')} AS b FROM (
-        UNPIVOT (SELECT {keys}, {', '.join(scalars)} FROM req)
-        ON {', '.join(scalars)} INTO NAME m VALUE v)""")
-    con.execute(f"""CREATE TEMP VIEW itl_values AS SELECT *, {_bucket('v')} AS b FROM (
-        SELECT {keys}, 'itl' AS m, unnest(itl) AS v FROM req)""")
+        UNPIVOT (SELECT {keys}, {', '.join(SCALARS)} FROM req)
+        ON {', '.join(SCALARS)} INTO NAME m VALUE v)""")
 
 
 def _counts(con) -> pd.DataFrame:
@@ -206,17 +227,23 @@ def _wants(hist: pd.DataFrame, keys: Sequence[str], qs: Sequence[float]) -> list
     return out
 
 
-def _select(con, view: str, hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
-            qs: Sequence[float], convert) -> dict[str, dict]:
-    """Pass 2 over ``view``: per level, {(group key, metric): (n, [quantile values])}."""
+def _wanted(hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
+            qs: Sequence[float]) -> tuple[dict, pd.DataFrame]:
+    """The order statistics each level needs (``_wants``) and the (endpoint, workload, m, b)
+    buckets holding them."""
     wants = {lvl: _wants(hist, keys, qs) for lvl, keys in levels.items()}
     w = pd.DataFrame([(*key[:2], m, bk) for ws in wants.values() for key, m, _, picks in ws
                       for _, pair in picks for bk, _ in pair],
                      columns=["endpoint", "workload", "m", "b"]).drop_duplicates()
-    out: dict[str, dict] = {lvl: {} for lvl in levels}
+    return wants, w.astype({"b": np.int64})
+
+
+def _select(con, view: str, hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
+            qs: Sequence[float], convert) -> dict[str, dict]:
+    """Pass 2 over ``view``: per level, {(group key, metric): (n, [quantile values])}."""
+    wants, w = _wanted(hist, levels, qs)
     if w.empty:
-        return out
-    w = w.astype({"b": np.int64})
+        return {lvl: {} for lvl in levels}
     con.register("_kvbench_wanted", w)
     try:
         on = " AND ".join(f"v.{c} IS NOT DISTINCT FROM w.{c}" for c in w.columns)
@@ -224,6 +251,13 @@ def _select(con, view: str, hist: pd.DataFrame, levels: Mapping[str, Sequence[st
             FROM {view} v JOIN _kvbench_wanted w ON {on}""").fetch_df()
     finally:
         con.unregister("_kvbench_wanted")
+    return _pick(vals, wants, levels, convert)
+
+
+def _pick(vals: pd.DataFrame, wants: dict, levels: Mapping[str, Sequence[str]],
+          convert) -> dict[str, dict]:
+    """The quantiles from the values of the wanted buckets (``vals``: keys, m, b, v)."""
+    out: dict[str, dict] = {lvl: {} for lvl in levels}
     for lvl, keys in levels.items():
         groups = vals.groupby([*keys, "m", "b"], dropna=False, sort=False).indices
         values = vals["v"].to_numpy()
@@ -242,6 +276,210 @@ def _select(con, view: str, hist: pd.DataFrame, levels: Mapping[str, Sequence[st
                 lo, hi = bucket(key, m, b0)[r0:r0 + 1], bucket(key, m, b1)[r1:r1 + 1]
                 res.append(float(linear(lo, hi, index)[0]))
             out[lvl][(key, m)] = (n, res)
+    return out
+
+
+# --------------------------------------------------------------------------- ITL, streamed
+
+ITL_BATCH = 4096  # requests per batch: ~200k gaps, so every temporary stays in the CPU cache
+# float64 mantissa bits kept in an ITL bucket: 1024 buckets per octave (0.07% wide), so pass 2
+# keeps few gaps; the histogram spans ~20 octaves of ns gaps: ~20k buckets per group
+_MANTISSA_KEPT = 10
+_CODE = 1 << 32  # (group, bucket) as one int64: group * _CODE + bucket (|bucket| < 2**31)
+
+
+def _gap_bucket(v: np.ndarray) -> np.ndarray:
+    """A bucket per int64 gap, monotone (non-decreasing) in the value: the float64's exponent
+    and top mantissa bits (its bit pattern read as an integer is monotone in the value once a
+    negative's magnitude bits are flipped; a negative gap sorts below every other)."""
+    bits = v.astype(np.float64).view(np.int64)
+    if len(v) and v.min() < 0:
+        bits = bits ^ ((bits >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
+    bits >>= 52 - _MANTISSA_KEPT
+    return bits
+
+
+def _has(files, columns: Sequence[str]) -> bool:
+    """Every file holds ``columns`` (in it or as a partition key): today's schema."""
+    return all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files)
+
+
+def _itl_batches(run_dir: Path, columns: Sequence[str]):
+    """The run's records (``columns``) as Arrow batches of at most ``ITL_BATCH`` rows:
+    Parquet file by file (``iter_batches`` without pre-buffering: a few MB in flight, where
+    the dataset scanner held a row group's pages of every column ahead), a partition key as
+    a constant column; an older schema and live shards through the store's reader."""
+    files = parquet_files(run_dir)
+    parts = []
+    if files:
+        if _has(files, columns):
+            parts.append(parquet_batches(files, columns))
+        else:
+            parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
+    if shard_files(run_dir, "requests"):
+        parts.append(scan(run_dir, "requests", columns, parquet=False, strict=True))
+    for part in parts:
+        for batch in part:
+            for s in range(0, batch.num_rows, ITL_BATCH):
+                yield batch.slice(s, ITL_BATCH)
+
+
+def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH):
+    """``columns`` of ``files`` (``parquet_files``) in batches, file by file, a partition key
+    as a constant column of its ``REQUESTS`` type."""
+    for f, keys in files:
+        own = [c for c in columns if c not in keys]
+        for b in pq.ParquetFile(f, pre_buffer=False).iter_batches(batch_size=batch_size,
+                                                                   columns=own):
+            yield pa.RecordBatch.from_arrays(
+                [b.column(c) if c not in keys else
+                 pa.array([keys[c]] * b.num_rows).cast(REQUESTS.field(c).type)
+                 for c in columns], names=list(columns))
+
+
+def _norm(v):
+    """A key as the counts frame holds it (None for null)."""
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+class _Groups:
+    """Stage-level groups (``STAGE_KEYS``) numbered as they are met."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.keys: list[tuple] = []
+
+    def of(self, batch) -> np.ndarray:
+        """The group number of each row of ``batch``."""
+        import pyarrow.compute as pc
+
+        combo = np.zeros(batch.num_rows, np.int64)
+        dicts = []
+        for k in STAGE_KEYS:
+            enc = pc.dictionary_encode(batch.column(k))
+            values = enc.dictionary.to_pylist()
+            codes = pc.fill_null(enc.indices, len(values)).to_numpy(zero_copy_only=False)
+            combo = combo * (len(values) + 1) + codes
+            dicts.append([*values, None])
+        uniq, inv = np.unique(combo, return_inverse=True)
+        lut = np.empty(len(uniq), np.int64)
+        for i, c in enumerate(uniq.tolist()):
+            key = []
+            for d in reversed(dicts):
+                c, r = divmod(c, len(d))
+                key.append(_norm(d[r]))
+            key = tuple(reversed(key))
+            g = self.ids.get(key)
+            if g is None:
+                g = self.ids[key] = len(self.keys)
+                self.keys.append(key)
+            lut[i] = g
+        return lut[inv.reshape(-1)]
+
+
+def _gaps(batch, groups: _Groups) -> tuple[np.ndarray, np.ndarray]:
+    """(group number, ns gap) of every ITL gap of ``batch``: ``definitions``' own gaps."""
+    got = D.evaluate(["itl_gaps_ns"], D.from_arrow(batch, D.inputs(["itl_gaps_ns"])),
+                     n=batch.num_rows)["itl_gaps_ns"]
+    per_row = np.diff(got.offsets)
+    if not len(got.values):
+        return np.zeros(0, np.int64), got.values
+    return np.repeat(groups.of(batch), per_row), got.values
+
+
+class _Hist:
+    """Counts per (group, bucket): a dense matrix over the buckets met so far."""
+
+    def __init__(self) -> None:
+        self.base, self.counts = 0, np.zeros((0, 0), np.int64)
+
+    def add(self, g: np.ndarray, b: np.ndarray) -> None:
+        lo, hi = int(b.min()), int(b.max())
+        rows = max(int(g.max()) + 1, self.counts.shape[0])
+        if self.counts.size == 0:
+            self.base, self.counts = lo, np.zeros((rows, hi - lo + 1), np.int64)
+        base = min(self.base, lo)
+        width = max(self.base + self.counts.shape[1], hi + 1) - base
+        if (rows, width) != self.counts.shape or base != self.base:
+            grown = np.zeros((rows, width), np.int64)
+            r, c = self.counts.shape
+            grown[:r, self.base - base:self.base - base + c] = self.counts
+            self.base, self.counts = base, grown
+        width = hi - lo + 1
+        n = np.bincount(g * width + (b - lo), minlength=rows * width).reshape(rows, width)
+        self.counts[:, lo - self.base:lo - self.base + width] += n
+
+    def frame(self, groups: _Groups) -> pd.DataFrame:
+        gi, bi = np.nonzero(self.counts)
+        keys = [groups.keys[i] for i in gi.tolist()]
+        f = pd.DataFrame(keys, columns=list(STAGE_KEYS)) if keys else pd.DataFrame(
+            columns=list(STAGE_KEYS))
+        f["m"] = "itl"
+        f["b"] = (bi + self.base).astype(np.int64)
+        f["n"] = self.counts[gi, bi]
+        return f
+
+
+def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
+         qs: Sequence[float]) -> dict[str, dict]:
+    """ITL's exact quantiles per level by two streamed passes over the gaps (numpy on
+    small batches: no list is unnested into a table, no temporary outgrows the cache):
+    pass 1 counts gaps per (group, bucket); pass 2 keeps the gaps of the wanted buckets."""
+    columns = list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
+    groups, hist = _Groups(), _Hist()
+    for batch in _itl_batches(run_dir, columns):
+        g, v = _gaps(batch, groups)
+        if len(v):
+            hist.add(g, _gap_bucket(v))
+    h = hist.frame(groups)
+    if not len(h):
+        return {lvl: {} for lvl in levels}
+    wants, w = _wanted(h, levels, qs)
+    # the wanted buckets per stage group (a workload's buckets are its stages' too)
+    wanted = set(zip(w["endpoint"].map(_norm), w["workload"].map(_norm), w["b"].tolist()))
+    # (group, bucket - base): a wanted bucket (groups without gaps too: pass 1 numbered them)
+    keep = np.zeros((len(groups.keys), hist.counts.shape[1]), bool)
+    for i, key in enumerate(groups.keys):
+        for e, wl, b in wanted:
+            if (key[0], key[1]) == (e, wl):
+                keep[i, b - hist.base] = True
+    got_g, got_b, got_v = [], [], []
+    for batch in _itl_batches(run_dir, columns):
+        g, v = _gaps(batch, groups)
+        if not len(v):
+            continue
+        b = _gap_bucket(v)
+        mask = keep[g, b - hist.base]  # pass 1 met every (group, bucket) of these gaps
+        if mask.any():
+            got_g.append(g[mask]), got_b.append(b[mask]), got_v.append(v[mask])
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
+    g, b, v = cat(got_g), cat(got_b), cat(got_v)
+    del got_g, got_b, got_v
+    order = np.lexsort((b, g))
+    g, b, v = g[order], b[order], v[order]
+    code = g * _CODE + b
+    starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]]) if len(code) else code
+    ends = np.r_[starts[1:], len(code)] if len(code) else code
+    cells = {(int(g[s]), int(b[s])): v[s:e] for s, e in zip(starts, ends)}
+    out: dict[str, dict] = {lvl: {} for lvl in levels}
+    for lvl, keys in levels.items():
+        cache: dict = {}
+        for key, m, n, picks in wants[lvl]:
+            key = tuple(key)
+            members = [i for i, k in enumerate(groups.keys) if k[:len(keys)] == key]
+
+            def bucket(bk: int):
+                if bk not in cache:
+                    parts = [cells[(i, bk)] for i in members if (i, bk) in cells]
+                    cache[bk] = _ms32(np.sort(np.concatenate(parts)))
+                return cache[bk]
+
+            res = []
+            for index, ((b0, r0), (b1, r1)) in picks:
+                lo, hi = bucket(b0)[r0:r0 + 1], bucket(b1)[r1:r1 + 1]
+                res.append(float(linear(lo, hi, index)[0]))
+            out[lvl][(key, m)] = (n, res)
+            cache.clear()
     return out
 
 
@@ -268,19 +506,20 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
     con = connect(settings, tmp)
     try:
         columns = list(dict.fromkeys([*STAGE_KEYS, "status", *D.inputs(
-            [*_FLAGS, *LATENCIES.values()])]))
+            [*_FLAGS, *(LATENCIES[m] for m in SCALARS)])]))
         _records(con, run_dir, columns)
         _views(con, slo)
         counts = _counts(con)
         levels = {"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS}
         qs = list(quantiles.values())
         picked: dict[str, dict] = {lvl: {} for lvl in levels}
-        for view, convert in (("scalar_values", _f64), ("itl_values", _ms32)):
-            hist = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, m, b, count(*) AS n "
-                               f"FROM {view} GROUP BY ALL").fetch_df()
-            if len(hist):
-                for lvl, got in _select(con, view, hist, levels, qs, convert).items():
-                    picked[lvl].update(got)
+        hist = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, m, b, count(*) AS n "
+                           "FROM scalar_values GROUP BY ALL").fetch_df()
+        if len(hist):
+            for lvl, got in _select(con, "scalar_values", hist, levels, qs, _f64).items():
+                picked[lvl].update(got)
+        for lvl, got in _itl(run_dir, levels, qs).items():
+            picked[lvl].update(got)
     finally:
         con.close()
         if settings.temp_directory is None:
