@@ -116,3 +116,70 @@ def test_itl_above_the_histograms_range_binned_past_the_bound(big, small):
     want = [np.quantile(us.astype(float), q) / 1e3 for q in LQ.QS]
     assert live.micro_quantiles([h, LQ.MicroHist()]) == pytest.approx(
         want, rel=LQ.LogBins.REL_ERROR * 1.01, abs=1e-3)
+
+
+# --------------------------------------------------------------------------- shards rotate
+
+
+def _row(i: int) -> tuple:
+    from kvbench.loadgen.timing.sink import COLUMNS
+
+    vals = dict.fromkeys(COLUMNS)
+    vals.update(run_id="r", endpoint="e", topology="colocated", workload="w",
+                request_class="chat", request_id=f"q{i}", session_id="s", worker="w",
+                status="ok", chunk_offsets_ns=[1, 2, 3], chunk_tokens=[1, 1, 1], stage=0,
+                turn=0, t_scheduled=1000 + i, t_sent=1000 + i, prompt_tokens=8, max_tokens=4)
+    return tuple(vals[c] for c in COLUMNS)
+
+
+def _start(i: int) -> tuple:
+    return ("r", "e", "colocated", "w", "chat", 0, f"q{i}", "s", 0, "w", 8, 0, 4, 1000 + i,
+            1000 + i)
+
+
+def test_the_sinks_shards_rotate_into_bounded_parts_that_read_as_one(tmp_path):
+    """Before: one requests shard per process for the whole run (a day's soak: tens of GB in
+    one file, none of it uploadable until the process closed). Now past ``rotate_bytes`` the
+    shard and its starts go on in a next part; every part reads, compaction pairs them, and a
+    request in flight across a rotation is one ``ok`` record, not a cancelled one."""
+    from kvbench.core import compact, rows, store
+    from kvbench.core.rows import shard_files
+    from kvbench.loadgen.timing.sink import RecordSink
+
+    sink = RecordSink(tmp_path, use_threadpool=False, rotate_bytes=4096)
+    n = 0
+    for _ in range(30):  # 30 flushes of 20 requests, one of each flush still in flight
+        for _ in range(20):
+            sink.begin(_start(n))
+            n += 1
+        for i in range(n - 20, n - 1):
+            sink.append(_row(i))
+        sink.flush()
+        sink.append(_row(n - 1))  # its start went with the last flush: recorded after it
+    sink.close()
+    parts = shard_files(tmp_path, "requests")
+    starts = shard_files(tmp_path, "starts")
+    assert len(parts) > 3 and len(starts) == len(parts)
+    assert all(p.stat().st_size < 4096 + 8192 for p in parts)  # at most one batch past
+    assert [p for p in parts if not rows.sealed(p)] == [sink._shard.path]  # the last one
+    t = store.read_shards(tmp_path, "requests")
+    assert t.num_rows == n and len(set(t.column("request_id").to_pylist())) == n
+    assert compact.compact(tmp_path, "requests") == n
+    done = store.read_table(tmp_path, "requests", ["request_id", "status"])
+    assert done.num_rows == n and set(done.column("status").to_pylist()) == {"ok"}
+    assert not shard_files(tmp_path, "requests") and not shard_files(tmp_path, "starts")
+
+
+def test_an_uploader_takes_a_sealed_part_while_its_process_goes_on(tmp_path):
+    from kvbench.core import objstore
+    from kvbench.core.rows import RowShardWriter
+
+    w = RowShardWriter(tmp_path, "requests")
+    w.write([[v] for v in _row(0)])
+    first = w.rotate()
+    w.write([[v] for v in _row(1)])
+    up = objstore.Uploader(tmp_path, objstore.Location("b"), "r")
+    ready = {p.name: up.ready(p.name, p, p.stat(), closed=set())
+             for p in tmp_path.glob("requests-*.rows")}
+    assert ready == {first.name: True, w.path.name: False}
+    w.close()
