@@ -8,10 +8,12 @@ requests it recorded so far (its sidecar ``proc-*.json``, refreshed with each fl
 RSS at the start of the load and at its end, the least-squares growth of RSS per 1,000
 requests over the load after ``--warmup`` seconds, the requests sent, and the CPU per
 request in the first and the last third of the load (the live view derives every record in
-this process, so a cost that grew with the run shows there).
+this process, so a cost that grew with the run shows there). ``--live-hours`` replays hours of
+the live view's since-start structures in seconds instead (memory held, CPU of a summary).
 
     python bench/soak_memory.py --minutes 5 --rate 150
     python bench/soak_memory.py --minutes 2 --rate 100 --time-scale 0.02
+    python bench/soak_memory.py --live-hours 6 --rate 200   # the live view alone, replayed
 """
 
 from __future__ import annotations
@@ -105,6 +107,54 @@ def fit_slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
 
 
+def live_replay(hours: float, rate: float, bounded: bool = True) -> None:
+    """The live view's side of a soak, replayed fast: one endpoint x class fed a batch of
+    finished requests per sink flush (0.5 s) for ``hours`` at ``rate``; at each checkpoint,
+    the bytes its since-start structures hold and the CPU of one summary whose since-start
+    figures are due (what a watched web UI pays every 10 s). ``bounded=False``: every value
+    kept, as before issue 34's fix."""
+    import numpy as np
+
+    from kvbench.loadgen.liveview import live_quantiles as LQ
+
+    if not bounded:
+        LQ.SinceStart.__init__.__defaults__ = (1 << 62,)
+    rng = np.random.default_rng(3)
+    ks, per = LQ.KeyStats(), max(1, int(rate / 2))
+    marks = sorted({max(1, int(h * 7200)) for h in (hours / 8, hours / 4, hours / 2, hours)})
+    t, flushes = 0, 0
+    label = "bounded" if bounded else "every value kept"
+    due_ns = int(LQ.SINCE_EVERY_S * 1e9) + 1
+
+    def feed(upto: int) -> None:
+        nonlocal t, flushes
+        while flushes < upto:
+            t += 500_000_000
+            flushes += 1
+            arrays = {"ttft": rng.lognormal(4.4, 0.5, per), "tpot": rng.lognormal(2.7, 0.3, per),
+                      "lateness": rng.exponential(0.3, per),
+                      "itl_us": rng.integers(5_000, 40_000, per * 8)}
+            ks.add(t, arrays, {"done": per, "ok": per})
+            ks.trim(t, 30.0)
+
+    for mark in marks:
+        feed(mark - 20)
+        t += due_ns
+        ks.summary(30.0, t, t / 1e9)  # watched: merged up to 10 s ago
+        feed(mark)  # the last 10 s of values wait, as they do between two due summaries
+        t += due_ns
+        held = sum(x.sorted.nbytes + sum(p.nbytes for p in x.pending) +
+                   (x.bins.counts.nbytes if x.bins is not None else 0)
+                   for x in ks.since.values())
+        c0 = time.thread_time()
+        ks.summary(30.0, t, t / 1e9)
+        ms = (time.thread_time() - c0) * 1e3
+        print(f"  live view, {label}: {flushes / 7200:5.2f} h ({flushes * per:,} requests): "
+              f"since-start values hold {held / 2**20:7.1f} MB, a due summary {ms:6.1f} ms CPU")
+    if not bounded:
+        LQ.SinceStart.__init__.__defaults__ = (LQ.EXACT_MAX,)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -117,7 +167,14 @@ def main() -> int:
                          "view's histograms filling, allocator arenas); default: half the load")
     ap.add_argument("--locustfile", default="loadgen/chat.py")
     ap.add_argument("--keep", action="store_true", help="keep the results folder")
+    ap.add_argument("--live-hours", type=float, default=0.0,
+                    help="instead: replay this many hours of the live view at --rate, bounded "
+                         "and with every value kept (no load, no endpoint)")
     a = ap.parse_args()
+    if a.live_hours:
+        for bounded in (False, True):
+            live_replay(a.live_hours, a.rate, bounded)
+        return 0
     seconds = int(a.minutes * 60)
     if a.warmup is None:
         a.warmup = seconds / 2
