@@ -358,12 +358,14 @@ class Uploader:
                 self.errors.append(str(exc).splitlines()[0][:200])
 
     def ready(self, rel: str, path: Path, st, closed: set[str]) -> bool:
-        """Whether a spool file is complete: a shard once its process closed, a JSON file
-        written whole (by rename), anything else once unchanged over one interval."""
+        """Whether a spool file is complete: a shard once its process closed (or a rotated
+        part once ``rows.sealed``), a JSON file written whole (by rename), anything else once
+        unchanged over one interval."""
         now = (st.st_size, st.st_mtime_ns)
         if path.suffix in (".rows", ".arrows"):
+            from kvbench.core.rows import sealed
             table, _, rest = path.stem.partition("-")
-            return any(rest == s or rest.startswith(s + "-") for s in closed)
+            return sealed(path) or any(rest == s or rest.startswith(s + "-") for s in closed)
         if path.suffix == ".json":
             return True
         stable = self.seen.get(rel) == now

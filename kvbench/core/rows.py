@@ -1,6 +1,8 @@
 """What a load process needs of the results store, without pyarrow (issue 13: pyarrow and its
 compute kernels are about 38 MB of a load process's memory; it writes its records with this
 module and the readers convert them to Arrow).
+(Over 400 lines, kept whole: the writer, its rotation into parts and the reader of the rows
+stream share one framing, whole batches, which a failed write must leave readable.)
 
 A load process writes its records as ``<table>-<host>-<pid>[-<tag>].rows``: a msgpack stream
 whose first object is a header, ``{"kvbench_rows": 1, "table": ..., "columns": [...]}``, and each
@@ -241,22 +243,44 @@ def unpacker(source=None) -> msgpack.Unpacker:
     return msgpack.Unpacker(source, max_buffer_size=0, read_size=1 << 20)
 
 
+PART = re.compile(r"^(?P<base>.+)-p(?P<k>[1-9][0-9]*)$")  # a later part of a rotated shard
+
+
+def part_path(path: Path, k: int) -> Path:
+    """Part ``k`` of the shard whose first part is ``path``: ``<stem>-p<k><suffix>`` (part 0
+    is ``path`` itself)."""
+    return path if k == 0 else path.with_name(f"{path.stem}-p{k}{path.suffix}")
+
+
+def sealed(path: Path | str) -> bool:
+    """Whether a shard part is complete while its process goes on: its writer has moved on to
+    the next part (``RowShardWriter.rotate``), so nothing more is appended to it."""
+    path = Path(path)
+    m = PART.match(path.stem)
+    first, k = (path.with_name(m["base"] + path.suffix), int(m["k"])) if m else (path, 0)
+    return part_path(first, k + 1).exists()
+
+
 class RowShardWriter:
     """The load process's writer of table shards, with ``store.ShardWriter``'s contract:
     appends batches (column lists) to ``<run_dir>/<table>-<host>-<pid>[-<tag>].rows``,
     each written whole to the file (no buffer), so a killed process keeps every complete
     batch. A write that fails is cut back to the last complete batch, raises ``DiskFull`` and
     ends the shard (``failed``; later writes are dropped). Thread-safe; the file and its
-    header are created with the first batch (or by ``open``)."""
+    header are created with the first batch (or by ``open``). ``rotate`` ends the file and
+    goes on in the next part, ``...-p<k>.rows`` (a soak's shard stays a bounded file: the
+    store reads every part, and an uploader may copy a part once ``sealed``)."""
 
     def __init__(self, run_dir: Path | str, table: str, tag: str | None = None,
                  columns: Sequence[str] | None = None) -> None:
         self.table = table
         self.columns = tuple(columns if columns is not None else COLUMNS[table])
-        self.path = shard_path(run_dir, table, ROWS_SUFFIX, tag)
+        self.first = self.path = shard_path(run_dir, table, ROWS_SUFFIX, tag)
         self._lock = threading.Lock()
         self._fd: int | None = None
         self.rows = 0
+        self.part = 0  # the part written now (0: ``first``)
+        self.bytes = 0  # bytes appended to the part written now (this process's)
         self.closed = False
         self.failed: DiskFull | None = None
 
@@ -310,7 +334,22 @@ class RowShardWriter:
                 append_whole(self._fd, data)
             self._guarded(append)
             self.rows += rows
+            self.bytes += len(data)
         return rows
+
+    def rotate(self) -> Path:
+        """End the part being written (it is complete: ``sealed`` once the next part exists)
+        and write what follows to the next one, created now with its header. Returns the
+        part that ended."""
+        with self._lock:
+            ended = self.path
+            if self.closed or self._fd is None:
+                return ended
+            self._close_fd()
+            self.part += 1
+            self.path, self.bytes = part_path(self.first, self.part), 0
+            self._guarded(self._open)
+            return ended
 
     def close(self) -> None:
         with self._lock:

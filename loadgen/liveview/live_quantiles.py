@@ -4,7 +4,9 @@ sorted array or of an unsorted one (partitioned at the ranks they need), every v
 start kept sorted with new ones merged when a quantile is asked for, and exact counts of
 integer microseconds (ITL: tens of thousands of gaps a second, too many to sort at every
 refresh). Each is exact, not binned: ``tests/test_live.py`` holds them equal to
-``numpy.quantile``."""
+``numpy.quantile``; only past ``EXACT_MAX`` values of a metric (a soak's hours) are the
+since-start ones folded into geometric bins, within 0.05%, so that memory stays flat (the
+summary's ``quantiles_exact`` says which; ``tests/test_soak_bounded.py``)."""
 
 from __future__ import annotations
 
@@ -49,33 +51,111 @@ def quantiles_of(values: np.ndarray, qs=QS) -> list[float | None]:
     return out
 
 
-class SinceStart:
-    """Every value of one metric since the start, kept sorted: new values wait in ``pending``
-    and are merged (``np.insert`` at their sorted places: one copy of the array) when a
-    quantile is asked for, so an unwatched run pays only the appends."""
+EXACT_MAX = 1 << 18  # values one SinceStart keeps exactly (2 MB); past it, LogBins (issue 34)
+
+
+class LogBins:
+    """Counts of values in geometric bins of ratio ``RATIO`` from ``LO`` to ``HI`` ms (35k
+    bins, 280 kB): a bounded stand-in for every value of a metric once a soak has sent too
+    many to keep. A value is read back as its bin's geometric middle, within ``REL_ERROR``
+    of itself (values below ``LO``, zeros, read as 0; above ``HI`` as ``HI``)."""
+
+    RATIO = 1.001
+    REL_ERROR = math.sqrt(RATIO) - 1  # 0.05%
+    LO, HI = 1e-6, 1e9  # ms: a nanosecond to eleven days
+    _LOG = math.log(RATIO)
+    N = int(math.ceil(math.log(HI / LO) / _LOG)) + 2  # bin 0: below LO; the last: HI and over
 
     def __init__(self) -> None:
-        self.sorted = np.empty(0)
-        self.pending: list[np.ndarray] = []
-        self.n_pending = 0
-
-    def __len__(self) -> int:
-        return len(self.sorted) + self.n_pending
+        self.counts = np.zeros(self.N, np.int64)
+        self.n = 0
 
     def add(self, values: np.ndarray) -> None:
         if not len(values):
             return
+        v = np.asarray(values, np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            k = np.floor(np.log(np.maximum(v, self.LO * 0.5) / self.LO) / self._LOG) + 1
+        k = np.clip(np.nan_to_num(k, nan=0.0), 0, self.N - 1).astype(np.int64)
+        self.counts += np.bincount(k, minlength=self.N)
+        self.n += len(v)
+
+    def value(self, k: int) -> float:
+        if k <= 0:
+            return 0.0
+        if k >= self.N - 1:
+            return self.HI
+        return self.LO * math.exp((k - 1 + 0.5) * self._LOG)
+
+    def at(self, ranks: list[int], cum: np.ndarray | None = None) -> list[float]:
+        """The values of these ranks (0-based, in sorted order)."""
+        cum = np.cumsum(self.counts) if cum is None else cum
+        return [self.value(int(np.searchsorted(cum, r, side="right"))) for r in ranks]
+
+
+class SinceStart:
+    """Every value of one metric since the start, kept sorted: new values wait in ``pending``
+    and are merged (``np.insert`` at their sorted places: one copy of the array) when a
+    quantile is asked for, so an unwatched run pays only the appends. Past ``EXACT_MAX``
+    values (a soak: hours of requests) they are folded into ``LogBins`` and the quantiles are
+    within ``LogBins.REL_ERROR`` (``exact`` is False): memory and the cost of a quantile stay
+    flat however long the run goes (every value kept grew 8 bytes a request, and each merge
+    copied them all; issue 34)."""
+
+    def __init__(self, exact_max: int = EXACT_MAX) -> None:
+        self.sorted = np.empty(0)
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+        self.exact_max = exact_max
+        self.bins: LogBins | None = None  # set once past exact_max: no value kept since
+
+    @property
+    def exact(self) -> bool:
+        return self.bins is None
+
+    def __len__(self) -> int:
+        return len(self.sorted) + self.n_pending + (self.bins.n if self.bins else 0)
+
+    def add(self, values: np.ndarray) -> None:
+        if not len(values):
+            return
+        if self.bins is not None:
+            self.bins.add(values)
+            return
         self.pending.append(values)
         self.n_pending += len(values)
-        if len(self.pending) > 64:  # keep the list short; still unsorted
+        if len(self.sorted) + self.n_pending > self.exact_max:
+            self.bins = LogBins()
+            self.bins.add(self.sorted)
+            for p in self.pending:
+                self.bins.add(p)
+            self.sorted, self.pending, self.n_pending = np.empty(0), [], 0
+        elif len(self.pending) > 64:  # keep the list short; still unsorted
             self.pending = [np.concatenate(self.pending)]
 
     def quantiles(self, qs=QS) -> list[float | None]:
+        if self.bins is not None:
+            return _binned_quantiles(self.bins, qs)
         if self.pending:
             new = np.sort(np.concatenate(self.pending))
             self.sorted = np.insert(self.sorted, np.searchsorted(self.sorted, new), new)
             self.pending, self.n_pending = [], 0
         return quantiles(self.sorted, qs)
+
+
+def _binned_quantiles(bins: LogBins, qs=QS) -> list[float | None]:
+    """numpy's linear quantiles over the binned values."""
+    n = bins.n
+    if n == 0:
+        return [None for _ in qs]
+    cum = np.cumsum(bins.counts)
+    out = []
+    for q in qs:
+        pos = q * (n - 1)
+        lo = int(math.floor(pos))
+        a, b = bins.at([lo, min(lo + 1, n - 1)], cum)
+        out.append(a + (b - a) * (pos - lo))
+    return out
 
 
 class MicroHist:
@@ -137,9 +217,19 @@ def micro_quantiles(hists: list, qs=QS) -> list[float | None]:
     for h in hists:
         h.big.quantiles((0.0,))  # merges what waits
         bigs.append(h.big.sorted)
+    binned = None  # a soak's many large values: binned (within LogBins.REL_ERROR)
+    if any(h.big.bins is not None for h in hists):
+        binned = LogBins()
+        for h in hists:
+            if h.big.bins is not None:
+                binned.counts += h.big.bins.counts
+                binned.n += h.big.bins.n
+            else:
+                binned.add(h.big.sorted)
+        big_cum = np.cumsum(binned.counts)
     big = bigs[0] if len(bigs) == 1 else (
         np.sort(np.concatenate(bigs)) if any(len(b) for b in bigs) else np.empty(0))
-    total = n + len(big)
+    total = n + (binned.n if binned is not None else len(big))
     if total == 0:
         return [None for _ in qs]
     cum_blocks = np.cumsum(sum(h.blocks for h in hists))
@@ -147,6 +237,8 @@ def micro_quantiles(hists: list, qs=QS) -> list[float | None]:
 
     def at(rank: int) -> float:
         if rank >= n:
+            if binned is not None:
+                return binned.at([rank - n], big_cum)[0]
             return float(big[rank - n])
         k = int(np.searchsorted(cum_blocks, rank, side="right"))
         before = int(cum_blocks[k - 1]) if k else 0
@@ -225,7 +317,9 @@ class KeyStats:
             q = {m: self.since[m].quantiles() for m in PER_REQUEST}
             q["itl"] = micro_quantiles([self.itl_window, self.itl_archive])
             self._since_q = (mono, q)
-        out["since"].update(self._since_q[1], quantiles_age_s=mono - self._since_q[0])
+        out["since"].update(self._since_q[1], quantiles_age_s=mono - self._since_q[0],
+                            quantiles_exact=all(self.since[m].exact for m in PER_REQUEST)
+                            and self.itl_archive.big.exact and self.itl_window.big.exact)
         return out
 
 

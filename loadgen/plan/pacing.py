@@ -11,6 +11,7 @@ the new rate (memoryless for Poisson).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from dataclasses import replace
@@ -21,6 +22,8 @@ import numpy as np
 from kvbench.core.contract import StagePlan  # the plan of one stage, as the job holds it
 
 PACINGS = ("closed", "poisson", "gamma", "constant", "trace")
+LAG_KEPT = 4096  # the start lateness of the last this many arrivals (a soak sends millions;
+# every request's lateness is in its record: t_sent - t_scheduled)
 
 
 def share_of(n: int | None, index: int, count: int) -> int | None:
@@ -147,7 +150,9 @@ class OpenLoopDispatcher(_Draining):
         self.in_flight = 0
         self.dropped_at_cap = 0
         self.started = 0
-        self.lag_ns: list[int] = []  # start lateness of each launched arrival
+        # start lateness of the last LAG_KEPT launched arrivals (bounded: a list of every
+        # arrival's grew by ~36 bytes a request for as long as the run went on; issue 34)
+        self.lag_ns: collections.deque = collections.deque(maxlen=LAG_KEPT)
         self.exhausted = False
         self.max_requests = max_requests
         self.limit_reached: str | None = None  # "stage" or "run": a request count ended it

@@ -33,6 +33,11 @@ from kvbench.core.rows import (REQUEST_COLUMNS, START_COLUMNS, RowShardWriter, w
 
 COLUMNS = REQUEST_COLUMNS
 FLUSH_INTERVAL_S = 0.5  # half the loss bound a kill may cost (one second), for a late loop
+# A requests shard past this size ends and the process goes on in the next part, its starts
+# shard with it (``RowShardWriter.rotate``): a soak's shards stay bounded files, each complete
+# part can be uploaded while the run goes on (``objstore.Uploader``), and a record's start is
+# always in its part or an earlier one, as compaction reads them side by side (issue 34).
+ROTATE_BYTES = 256 << 20
 # Set by kvbench.loadgen.fleet.distributed on a Locust worker whose records go to its master
 # (issue 15): given the run directory it names this process's local spool (or None: the sink
 # works as before), and receives every batch (``put(kind, columns)``: the column lists in
@@ -49,7 +54,8 @@ class RecordSink:
     each flush, final (``closed: true``) when the sink closes."""
 
     def __init__(self, run_dir: Path | str, *, flush_interval_s: float = FLUSH_INTERVAL_S,
-                 use_threadpool: bool = True) -> None:
+                 use_threadpool: bool = True, rotate_bytes: int = ROTATE_BYTES) -> None:
+        self.rotate_bytes = rotate_bytes
         self.forward = FORWARD if FORWARD is not None and FORWARD.spool(run_dir) else None
         self.run_dir = Path(self.forward.spool(run_dir) if self.forward else run_dir)
         self.failure: DiskFull | None = None  # the first failed write: nothing more is written
@@ -144,6 +150,9 @@ class RecordSink:
             self.written += n
             if self.forward is not None:
                 self.forward.put("requests", cols)
+            if self._shard.bytes >= self.rotate_bytes:  # between two flushes' batches
+                self._shard.rotate()
+                self._starts_shard.rotate()
         if meta is not None:
             self._write_meta(meta)
         return n
