@@ -25,10 +25,33 @@ class Request:
     # what the server answers live, which the offline request only stands in for. A warm
     # cache does not prime such a prefix (the live one differs).
     prefix_from_responses: bool = False
+    # Agentic replay (issue 36). ``stream=False`` sends the request without streaming (a trace's
+    # "type": "n": no TTFT by design). ``parent_session_id``/``subagent_index`` name the session
+    # that spawned this one ("" / -1 for a top-level session). ``conversation_offset_s`` is the
+    # recorded send time from the conversation's start (the "original timestamps" strategy);
+    # ``api_time_s`` the recorded server time of the previous answer, when the trace has it.
+    # ``min_tokens`` asks the engine for at least that many tokens (0: not sent).
+    stream: bool = True
+    parent_session_id: str = ""
+    subagent_index: int = -1
+    conversation_offset_s: float | None = None
+    api_time_s: float | None = None
+    min_tokens: int = 0
 
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """Sub-agents a session starts (issue 36): the driver runs ``sessions`` concurrently, each
+    as its own session, and the parent's next turn waits until all of them are done. A session
+    returns it from ``next_request`` in place of a request; drivers without sub-agent support
+    run the sessions one after another."""
+
+    sessions: tuple["Session", ...]
+    think_time_s: float = 0.0  # wait before starting them (closed loop)
 
 
 class Session(Protocol):
@@ -36,8 +59,8 @@ class Session(Protocol):
 
     session_id: str
 
-    def next_request(self) -> Request | None:
-        """The next turn, or None when the session is over."""
+    def next_request(self) -> "Request | Spawn | None":
+        """The next turn, a ``Spawn`` of sub-agent sessions, or None when the session is over."""
 
     def feed_response(self, text: str) -> None:
         """The response text the endpoint actually returned for the last request."""
