@@ -43,15 +43,15 @@ issue 31 (each about 10-20 CPU minutes; run under ``nice -n 19`` on a shared mac
 
 Each topology runs with the options of the config's first built-in endpoint of it (the
 default's colocated is one replica), ``--options`` over them; ``--warm`` primes every shared
-prefix before each run, as ``cache = "warm"`` does. Over 400 lines: the two modes share the
-harness (workload build, the fixed-rate run, the per-class judgement), which a split would
-only pass around.
+prefix before each run, as ``cache = "warm"`` does. The harness (the fixed-rate run, the
+per-class judgement, the bisection, the seeds' summary) is the product's
+``kvbench.runs.virtual``, which ``kvbench predict`` runs too; this file builds the workload,
+drives the two modes and prints.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import logging
@@ -60,24 +60,33 @@ import resource
 import shlex
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from search_sim import SimBackend, VirtualLoop  # noqa: E402
+from search_sim import SimBackend  # noqa: E402
 
 from kvbench.config import load_config  # noqa: E402
 from kvbench.endpoints.cluster import Cluster  # noqa: E402
 from kvbench.endpoints.config import gpu_count, validate_options  # noqa: E402
 from kvbench.endpoints.kvcache import block_hashes  # noqa: E402
 from kvbench.endpoints.seq import Seq, wait  # noqa: E402
-from kvbench.runs import search  # noqa: E402
+from kvbench.runs import search, virtual  # noqa: E402
 from kvbench.runs.job import resolve  # noqa: E402
 from kvbench.workloads.tokenizer import get_tokenizer  # noqa: E402
+
+# The harness itself (the fixed-rate run, the per-class judgement, the bisection and the seeds'
+# summary) is the product's (``kvbench predict`` runs it too); its names stay importable here.
+from kvbench.runs.virtual import (  # noqa: E402,F401
+    capacity,
+    pooled_fit,
+    run_rate,
+    summary,
+    table,
+    verdict,
+)
 
 
 def _job(config: Path, workload: str):
@@ -122,65 +131,6 @@ def load(config: Path, workload: str, warm: bool) -> tuple[list[tuple], dict, li
     return out, slo, prime
 
 
-def _quiet(seq: Seq) -> None:
-    """A request's sink: the harness reads its times when it finishes, so a token needs no
-    wake-up of its task (the built-in server streams through a sink the same way)."""
-
-
-def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, seconds: float,
-             seed: int, prime: list | None = None) -> list[dict]:
-    """One fixed-rate run from an empty cache (``prime``: each shared prefix sent once first,
-    as ``cache = "warm"`` does): a row per request that arrived."""
-    loop = VirtualLoop()
-    res = validate_options(topology, options).resolved()
-    block = res.cfg.block_tokens
-    rng = np.random.default_rng(seed)
-    n = int(round(rate * seconds))
-    times = np.sort(rng.uniform(0, seconds, n))
-    rows: list[dict] = []
-    base = {"t0": 0.0}
-
-    async def one(i: int, t: float, r: tuple) -> None:
-        cls, n_prompt, hashes, max_tokens = r
-        if block != 16:
-            raise SystemExit("the sim hashes 16-token blocks; the endpoint uses another size")
-        seq = Seq(f"r{i}", n_prompt, hashes, max_tokens, loop.time())
-        row = {"class": cls, "t": t - base["t0"], "ttft_ms": np.nan, "tpot_ms": np.nan, "e2e_ms": np.nan,
-               "ok": False}
-        rows.append(row)
-        seq.sink = _quiet  # the engine calls it per token instead of waking this task
-        await cluster.submit(seq, None, None)
-        await wait(seq, lambda: seq.finished)
-        if seq.t_first is not None:
-            row["ttft_ms"] = (seq.t_first - t) * 1e3
-        row["e2e_ms"] = (loop.time() - t) * 1e3
-        if seq.generated > 1 and seq.t_first is not None:
-            row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (seq.generated - 1)
-        row["ok"] = seq.error is None
-
-    async def main() -> None:
-        cluster.start()
-        for k, (n, hashes) in enumerate(prime or ()):
-            seq = Seq(f"prime{k}", n, hashes, 1, loop.time())
-            await cluster.submit(seq, None, None)
-            await wait(seq, lambda: seq.finished)
-        t0 = base["t0"] = loop.time()
-        tasks = []
-        src = itertools.cycle(reqs)
-        for i, t in enumerate(times):
-            d = t0 + t - loop.time()
-            if d > 0:
-                await asyncio.sleep(d)
-            tasks.append(loop.create_task(one(i, float(t0 + t), next(src))))
-        await asyncio.gather(*tasks)
-        await cluster.stop()
-
-    cluster = Cluster(res)
-    loop.run_until_complete(main())
-    loop.close()
-    return rows
-
-
 class MixBackend(SimBackend):
     """``search.drive``'s backend on one built-in topology, fed the workload's requests in
     order (cycled) with each class judged on its own SLOs."""
@@ -216,52 +166,6 @@ def searched(topology: str, options: dict, reqs, slo, spec: dict, seed: int,
     return planner.bracket(), trail + f"  [{b.now():.0f} s]"
 
 
-def table(rows: list[dict], slo: dict, warmup_s: float) -> dict:
-    """Per class: requests, attainment, p99 TTFT / TPOT and the SLO missed most."""
-    out = {}
-    for cls in sorted({r["class"] for r in rows}):
-        rs = [r for r in rows if r["class"] == cls and r["t"] >= warmup_s]
-        if not rs:
-            continue
-        lim = slo.get(cls, {})
-        miss = {"ttft_ms": 0, "tpot_ms": 0, "e2e_ms": 0, "error": 0}
-        met = 0
-        for r in rs:
-            fine = r["ok"]
-            if not r["ok"]:
-                miss["error"] += 1
-            for k in ("ttft_ms", "tpot_ms", "e2e_ms"):
-                if k in lim and not (r[k] <= lim[k] or (k == "tpot_ms" and np.isnan(r[k]))):
-                    miss[k] += 1
-                    fine = False
-            met += fine
-        ttft = np.array([r["ttft_ms"] for r in rs])
-        tpot = np.array([r["tpot_ms"] for r in rs])
-        out[cls] = {"n": len(rs), "att": met / len(rs),
-                    "ttft_p99": float(np.nanpercentile(ttft, 99)),
-                    "tpot_p99": float(np.nanpercentile(tpot, 99)) if np.isfinite(tpot).any()
-                    else float("nan"),
-                    "miss": max(miss, key=miss.get) if met < len(rs) else ""}
-    return out
-
-
-def capacity(points: list[tuple[float, dict]], target: float) -> tuple[float | None, str]:
-    """The highest rate before the first one where some class misses ``target``, linearly
-    interpolated to the crossing; and the class and SLO that cross first."""
-    prev = None
-    for rate, t in points:
-        worst = min(t.items(), key=lambda kv: kv[1]["att"])
-        if worst[1]["att"] < target:
-            if prev is None:
-                return None, f"{worst[0]} ({worst[1]['miss']})"
-            r0, a0 = prev
-            a1 = worst[1]["att"]
-            x = r0 + (a0 - target) / (a0 - a1) * (rate - r0) if a0 > a1 else r0
-            return x, f"{worst[0]} ({worst[1]['miss']})"
-        prev = (rate, worst[1]["att"])
-    return None, "none within the rates"
-
-
 def search_spec(config: Path, profile: str, workload: str = "mix") -> dict:
     """The profile's capacity-search settings, as kvbench run hands them to the search."""
     cfg = load_config(config)
@@ -270,100 +174,39 @@ def search_spec(config: Path, profile: str, workload: str = "mix") -> dict:
     return job.search.to_dict()
 
 
-def verdict(t: dict, slo: dict, target: float) -> tuple[bool, str, float, str]:
-    """Whether every class with an SLO (every class when none has one) kept ``target`` of
-    its judged requests; the worst such class, its attainment and the SLO it missed most."""
-    judged = {c: x for c, x in t.items() if c in slo} or t
-    if not judged:
-        return False, "", 0.0, "no request judged"
-    cls, x = min(judged.items(), key=lambda kv: kv[1]["att"])
-    return x["att"] >= target, cls, x["att"], x["miss"]
-
-
 # What the pool's workers share, set by the parent before it forks them: the workload's
 # requests, SLOs and warm prefixes (tokenised once), and the run settings.
 _SHARED: dict = {}
 
 
+def _steady() -> virtual.Steady:
+    """``_SHARED`` as the product's settings of a steady-state search (one per process)."""
+    w = _SHARED
+    if "steady" not in w:
+        w["steady"] = virtual.Steady(
+            virtual.Workload(w["reqs"], w["slo"], w["prime"]), warmup_s=w["warmup_s"],
+            seconds=w["seconds"], target=w["target"], precision=w["precision"],
+            step=w["step"])
+    return w["steady"]
+
+
 def _probe(topology: str, options: dict, rate: float, seed: int) -> dict:
     """One fixed-rate run of ``warmup_s + seconds`` judged after the warm-up."""
-    w = _SHARED
-    t = table(run_rate(topology, options, w["reqs"], rate, w["warmup_s"] + w["seconds"], seed,
-                       w["prime"]), w["slo"], w["warmup_s"])
-    ok, cls, att, miss = verdict(t, w["slo"], w["target"])
-    return {"rate": rate, "pass": ok, "worst_class": cls, "worst_att": att, "miss": miss,
-            "classes": {c: {"n": x["n"], "att": x["att"], "ttft_p99_ms": x["ttft_p99"],
-                            "tpot_p99_ms": None if np.isnan(x["tpot_p99"]) else x["tpot_p99"],
-                            "miss": x["miss"]} for c, x in t.items()}}
+    return virtual.probe(_steady(), topology, options, rate, seed)
 
 
 def quick_estimate(task: tuple) -> tuple[str, float, str]:
     """The old grid's capacity (``--rates`` at 120 s, one seed) as a bisection's start rate:
     (topology, rate, how it was found)."""
     topology, options, rates, seed = task
-    w = _SHARED
-    points = []
-    for rate in rates:
-        t = table(run_rate(topology, options, w["reqs"], rate, 120.0, seed, w["prime"]),
-                  w["slo"], w["warmup_s"])
-        points.append((rate, t))
-        if not verdict(t, w["slo"], w["target"])[0]:
-            break
-    cap, _ = capacity(points, w["target"])
-    if cap is not None:
-        return topology, cap, f"grid {','.join(f'{r:g}' for r, _ in points)} at 120 s"
-    if verdict(points[0][1], w["slo"], w["target"])[0]:
-        return topology, rates[-1], "grid passed every rate: its highest"
-    return topology, rates[0] / 2, "grid failed its lowest rate: half of it"
+    rate, why = virtual.quick_estimate(_steady(), topology, options, rates, seed)
+    return topology, rate, why
 
 
 def bisect(task: tuple) -> dict:
-    """One seed's capacity on one topology: from ``guess``, step x``step`` up (or down) to a
-    bracket of a passing and a failing rate, then halve it (geometrically) until hi/lo - 1
-    <= ``precision``. Every rate is a fresh ``warmup_s + seconds`` run with this seed."""
+    """One seed's capacity on one topology (``kvbench.runs.virtual.bisect``)."""
     topology, options, seed, guess = task
-    w = _SHARED
-    cpu0 = time.process_time()
-    tried: list[dict] = []
-
-    def probe(rate: float) -> dict:
-        p = _probe(topology, options, float(rate), seed)
-        tried.append(p)
-        return p
-
-    lo = hi = None
-    p = probe(guess)
-    for _ in range(40):  # x1.25 forty times: a factor of 7,500 either way
-        if p["pass"]:
-            lo = p
-            if hi is not None:
-                break
-            p = probe(lo["rate"] * w["step"])
-        else:
-            hi = p
-            if lo is not None:
-                break
-            p = probe(hi["rate"] / w["step"])
-    out = {"seed": seed, "guess": guess, "capacity": None, "crossing": None, "bracket": None,
-           "breaks": None, "tried": tried}
-    if lo is None or hi is None:
-        out["why"] = "no bracket within 40 steps"
-        out["cpu_s"] = time.process_time() - cpu0
-        return out
-    while hi["rate"] / lo["rate"] - 1 > w["precision"]:
-        p = probe(float(np.sqrt(lo["rate"] * hi["rate"])))
-        if p["pass"]:
-            lo = p
-        else:
-            hi = p
-    a0, a1, tg = lo["worst_att"], hi["worst_att"], w["target"]
-    cross = lo["rate"] + (a0 - tg) / (a0 - a1) * (hi["rate"] - lo["rate"]) if a0 > a1 \
-        else lo["rate"]
-    out.update(capacity=lo["rate"], crossing=cross, bracket=[lo["rate"], hi["rate"]],
-               breaks={"class": hi["worst_class"], "slo": hi["miss"],
-                       "attainment": hi["worst_att"]},
-               cpu_s=time.process_time() - cpu0)
-    return out
+    return virtual.bisect(_steady(), topology, options, seed, guess)
 
 
 def guesses(text: str | None, topologies: list[str]) -> dict[str, float]:
@@ -374,40 +217,6 @@ def guesses(text: str | None, topologies: list[str]) -> dict[str, float]:
     if "=" not in text:
         return {t: float(text) for t in topologies}
     return {k.strip(): float(v) for k, v in (p.split("=") for p in text.split(","))}
-
-
-def pooled_fit(seeds: list[dict], target: float, median: float | None) -> dict | None:
-    """A cross-check of the median from every run at once: a least-squares line through all
-    seeds' (rate, worst class's attainment) within 0.75-1.33x the median, and the rate where
-    it crosses ``target`` (None unless the line falls)."""
-    pts = [(p["rate"], p["worst_att"]) for s in seeds for p in s["tried"]
-           if median and 0.75 * median <= p["rate"] <= median / 0.75]
-    if len(pts) < 3:
-        return None
-    x, y = np.array(pts).T
-    m, b = np.polyfit(x, y, 1)
-    return {"rate": float((target - b) / m) if m < 0 else None, "slope_per_rps": float(m),
-            "points": len(pts), "resid_sd": float(np.std(y - (m * x + b), ddof=2))}
-
-
-def summary(topology: str, gpus: int, seeds: list[dict], target: float) -> dict:
-    caps = [s["capacity"] for s in seeds if s["capacity"] is not None]
-    cross = [s["crossing"] for s in seeds if s["crossing"] is not None]
-    breaks = Counter((s["breaks"]["class"], s["breaks"]["slo"]) for s in seeds if s["breaks"])
-    (bc, bs), bn = breaks.most_common(1)[0] if breaks else (("", ""), 0)
-    med = float(np.median(caps)) if caps else None
-    return {
-        "gpus": gpus, "seeds": seeds, "capacities": caps,
-        "median": med, "median_per_gpu": med / gpus if med is not None else None,
-        "per_gpu": [c / gpus for c in caps],
-        "min": min(caps) if caps else None, "max": max(caps) if caps else None,
-        "crossings": cross,
-        "median_crossing": float(np.median(cross)) if cross else None,
-        "pooled_fit": pooled_fit(seeds, target, med),
-        "breaks_first": {"class": bc, "slo": bs, "seeds": bn, "of": len(seeds)},
-        "runs": sum(len(s["tried"]) for s in seeds),
-        "cpu_s": sum(s.get("cpu_s", 0.0) for s in seeds),
-    }
 
 
 def precise(a, topologies: list[str], opts: dict[str, dict], gpus: dict[str, int]) -> dict:

@@ -24,7 +24,6 @@ import asyncio
 import json
 import logging
 import math
-import selectors
 import sys
 import time
 from pathlib import Path
@@ -39,43 +38,7 @@ from kvbench.endpoints.cluster import Cluster  # noqa: E402
 from kvbench.endpoints.config import validate_options  # noqa: E402
 from kvbench.endpoints.seq import Seq, wait  # noqa: E402
 from kvbench.runs import search  # noqa: E402
-
-
-class _JumpSelector(selectors.BaseSelector):
-    """A selector with no file to watch: waiting ``timeout`` moves the clock by it."""
-
-    def __init__(self) -> None:
-        self.clock = 0.0
-        self._map: dict = {}
-
-    def register(self, fileobj, events, data=None):
-        key = selectors.SelectorKey(fileobj, id(fileobj), events, data)
-        self._map[fileobj] = key
-        return key
-
-    def unregister(self, fileobj):
-        return self._map.pop(fileobj)
-
-    def select(self, timeout=None):
-        if timeout is None:
-            raise RuntimeError("the simulation waits for nothing (deadlock)")
-        self.clock += max(0.0, timeout)
-        return []
-
-    def get_map(self):
-        return self._map
-
-    def close(self) -> None:
-        self._map.clear()
-
-
-class VirtualLoop(asyncio.SelectorEventLoop):
-    def __init__(self) -> None:
-        self._jump = _JumpSelector()
-        super().__init__(self._jump)
-
-    def time(self) -> float:
-        return self._jump.clock
+from kvbench.runs.virtual import VirtualLoop  # noqa: E402
 
 
 class SimBackend:

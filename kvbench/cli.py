@@ -24,6 +24,8 @@ COMMANDS = {
     "probe": "probe the endpoint's cache: retention (how long a prefix stays cached under "
              "background load)",
     "plan": "print the cost model's comparisons (routers, offload, P/D crossover, Hogwild!)",
+    "predict": "capacity at SLO and latency of built-in endpoints (a calibrated twin) and "
+               "what-if topologies, in virtual time, no load sent",
 }
 
 

@@ -1,6 +1,6 @@
 """The whole bench.toml: composed of each concern's own spec (workload kinds from the workloads
-registry, endpoints and load profiles here, SLOs and gate rules from the reports, collection
-from the collectors)."""
+registry, endpoints, load profiles and a twin's fit here, SLOs and gate rules from the
+reports, collection from the collectors)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kvbench.collectors.spec import CollectConfig
 from kvbench.config.endpoints import EndpointSpec
 from kvbench.config.load import CacheMode, LoadProfile
 from kvbench.config.storage import HistorySpec, StorageSpec
+from kvbench.config.twin import TwinSpec
 from kvbench.core import redact
 from kvbench.reports.measures.spec import SLO, GateConfig
 from kvbench.workloads import registry
@@ -69,6 +70,8 @@ class BenchConfig(Strict):
     collect: CollectConfig = CollectConfig()
     storage: StorageSpec = StorageSpec()  # an s3:// results_dir's store (config.storage)
     history: HistorySpec = HistorySpec()  # retention of the store's history (config.storage)
+    # what kvbench calibrate fitted (config.twin): read by kvbench predict; None: no fit
+    twin: TwinSpec | None = None
 
     @field_validator("workloads", mode="before")
     @classmethod

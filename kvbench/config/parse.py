@@ -150,23 +150,37 @@ def classes_without_slo(cfg: BenchConfig, workloads=None) -> list[str]:
                   or all(getattr(cfg.slo[c], k) is None for k in ("ttft_ms", "tpot_ms", "e2e_ms")))
 
 
-def load_config(path: Path | str = "bench.toml") -> BenchConfig:
+def load_config(path: Path | str = "bench.toml", under: Path | str | None = None) -> BenchConfig:
+    """``path`` validated. ``under``: another config whose tables fill in those ``path``
+    lacks (a twin file of ``[[endpoints]]`` and ``[twin]`` predicted under a suite's
+    workloads), its ``[slo]`` tables winning over those of ``path``."""
     path = Path(path)
+    data = _read(path)
+    if under is not None:
+        base = _read(Path(under))
+        data = {**base, **data}
+        if "slo" in base:
+            data["slo"] = base["slo"]
+    return parse_config(data, path)
+
+
+def _read(path: Path) -> dict:
+    """The TOML of ``path`` (paths in its workload tables made relative to it)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: config file not found; pass --config with the path of "
                         "your bench.toml") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the config ({exc.strerror}); pass --config with "
+                        "the path of your bench.toml.") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid TOML ({_clip(exc, 200)}); fix the syntax at that "
                         "place.") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read the config ({exc.strerror}); pass --config with "
-                        "the path of your bench.toml.") from None
     _relative_paths(data, path)
-    return parse_config(data, path)
+    return data
 
 
 def _relative_paths(data: dict, path: Path) -> None:
@@ -210,7 +224,21 @@ def _cross_checks(cfg: BenchConfig) -> list[str]:
         found += _context_problems(cfg, ep)
     found += _gate_rule_problems(cfg.gate)
     found += _builtin_option_problems([ep.model_dump() for ep in cfg.endpoints])
+    found += _twin_problems(cfg)
     return found
+
+
+def _twin_problems(cfg: BenchConfig) -> list[str]:
+    """``[twin] endpoint`` must name a built-in endpoint of the file."""
+    twin = cfg.twin
+    if twin is None or twin.endpoint is None:
+        return []
+    builtin = [ep.name for ep in cfg.endpoints if ep.kind == "builtin"]
+    if twin.endpoint not in builtin:
+        return [f"field twin.endpoint: {_clip(repr(twin.endpoint), 40)} is not a built-in "
+                f"endpoint of this file; use one of {builtin} (the [[endpoints]] table of kind "
+                "\"builtin\" the fit describes) or remove it"]
+    return []
 
 
 def _context_problems(cfg: BenchConfig, ep) -> list[str]:
