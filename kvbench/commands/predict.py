@@ -14,7 +14,8 @@ def add_parser(p) -> None:
     p.add_argument("--config", default="bench.toml",
                    help="a twin (kvbench calibrate -o twin.toml) or any config with built-in "
                         "endpoints (default bench.toml)")
-    p.add_argument("--workload", default="mix", help="the [workloads.*] table (default mix)")
+    p.add_argument("--workload", default=None,
+                   help="the [workloads.*] table (default: the suite's first, else mix)")
     p.add_argument("--topology", default=None,
                    help="what-if: run each endpoint's options as this topology on the same "
                         "GPUs (disaggregated, offloaded, routed)")
@@ -58,6 +59,13 @@ def options(pairs: list[str]) -> dict:
     return out
 
 
+def _lacks_workloads(path: Path) -> bool:
+    try:
+        return "workloads" not in tomllib.loads(path.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+
+
 def _fractions(text: str) -> tuple[float, ...]:
     try:
         out = tuple(float(x) for x in text.split(",") if x.strip())
@@ -83,7 +91,14 @@ def run(args) -> int:
                         "--warmup-s at least 0 and --target between 0 and 1; fix the one "
                         "out of range")
     path = Path(args.config)
-    cfg = load_config(path, under=args.slo_config)
+    try:
+        cfg = load_config(path, under=args.slo_config)
+    except UserError:
+        if args.slo_config is None and _lacks_workloads(path):
+            raise UserError(f"{path}: no [workloads.*] tables to predict under (a twin file "
+                            "holds its endpoint only); pass --slo-config bench.toml, the "
+                            "suite whose workloads and SLOs to use") from None
+        raise
     settings = pr.Settings(workload=args.workload, topology=args.topology,
                            options=options(args.options), endpoint=args.endpoint,
                            seed=args.seed, seeds=args.seeds, seconds=args.seconds,
@@ -115,6 +130,10 @@ def _finite(x):
 
 def _num(x, fmt: str = ".3g") -> str:
     return "-" if x is None or x != x else format(x, fmt)
+
+
+def _value(v) -> str:
+    return "derived" if v is None else str(v)
 
 
 def render(res: dict, markdown: bool = False) -> str:
@@ -172,13 +191,13 @@ def render(res: dict, markdown: bool = False) -> str:
         hidden = [a for a in e["assumed"] if a["unobserved"]]
         if hidden:
             lines.append(f"{bullet}ASSUMED, not observable on {e['measured_topology']}: "
-                         + ", ".join(f"{a['option']}={a['value']} ({a['source']})"
+                         + ", ".join(f"{a['option']}={_value(a['value'])} ({a['source']})"
                                      for a in hidden))
         rest = [a for a in e["assumed"] if not a["unobserved"]]
         for src in ("--options", "what-if layout", "given", "default"):
             some = [a for a in rest if a["source"] == src]
             if some:
                 lines.append(f"{bullet}assumed ({src}): " + ", ".join(
-                    f"{a['option']}={a['value']}" for a in some))
+                    f"{a['option']}={_value(a['value'])}" for a in some))
     lines += ["", f"{res['wall_s']:.1f} s wall, {res['cpu_s']:.1f} CPU s"]
     return "\n".join(lines)

@@ -47,7 +47,7 @@ class Settings:
     """What to predict and how finely. Defaults keep the default config within a minute:
     one seed, 120 s judged per rate after 20 s, bisected to 5%."""
 
-    workload: str = "mix"
+    workload: str | None = None  # None: the suite's first workload, else mix, else the first
     topology: str | None = None  # a what-if; None: each endpoint's own
     options: dict = field(default_factory=dict)  # over each endpoint's options
     endpoint: str | None = None  # only this built-in endpoint
@@ -220,16 +220,24 @@ def _classes(cap: float, at_cap: dict | None, tried: list[dict], slo: dict,
     return out
 
 
+def default_workload(cfg) -> str:
+    """The suite's first workload, else ``mix`` where configured, else the first table."""
+    if cfg.suite.workloads:
+        return cfg.suite.workloads[0]
+    return "mix" if "mix" in cfg.workloads else next(iter(cfg.workloads))
+
+
 def predict(cfg, path, settings: Settings, say=lambda line: None) -> dict:
     """The whole prediction (see the module's docstring) as one JSON-ready dict."""
     t0 = time.monotonic()
     cpu0 = time.process_time()
     todo = plan(cfg, path, settings)
-    if settings.workload not in cfg.workloads:
-        raise UserError(f"--workload {settings.workload}: not a [workloads.*] table of {path}; "
+    name = settings.workload or default_workload(cfg)
+    if name not in cfg.workloads:
+        raise UserError(f"--workload {name}: not a [workloads.*] table of {path}; "
                         f"use one of {sorted(cfg.workloads)}")
     warm = settings.warm if settings.warm is not None else cfg.suite.cache == "warm"
-    work = virtual.load_workload(cfg, settings.workload, warm)
+    work = virtual.load_workload(cfg, name, warm)
     steady = virtual.Steady(work, warmup_s=settings.warmup_s, seconds=settings.seconds,
                             target=settings.target, precision=settings.precision,
                             step=settings.step, grid_s=settings.grid_s)
@@ -259,7 +267,7 @@ def predict(cfg, path, settings: Settings, say=lambda line: None) -> dict:
                  classes=_classes(cap or 0.0, at_cap, tried, work.slo, settings.target),
                  latency=latency)
     return {"prediction": True, "note": PREDICTION, "config": str(path),
-            "workload": settings.workload, "warm": warm, "slo": work.slo,
+            "workload": name, "warm": warm, "slo": work.slo,
             "target": settings.target, "seeds": seeds, "seconds": settings.seconds,
             "warmup_s": settings.warmup_s, "precision": settings.precision,
             "requests": len(work.reqs), "endpoints": todo,
