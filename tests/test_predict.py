@@ -217,3 +217,32 @@ def test_bad_input_is_one_sentence_naming_file_field_and_fix(tmp_path, capsys):
     lone.write_text('[[endpoints]]\nname = "twin"\nkind = "builtin"\ntopology = "colocated"\n')
     err = _error(capsys, "--config", str(lone))
     assert str(lone) in err and "--slo-config" in err
+
+
+@pytest.mark.parametrize("topology", ["disaggregated", "offloaded"])
+def test_the_default_colocated_endpoint_as_a_what_if_is_the_default_endpoint_of_it(topology):
+    """bench.toml's colocated GPU laid out as disaggregated (1 prefill + 1 decode) or with the
+    offload tiers added runs the engines of that topology's own built-in endpoint."""
+    path = ROOT / "bench.toml"
+    cfg = load_config(path)
+    (e,) = pr.plan(cfg, path, pr.Settings(endpoint="colocated", topology=topology))
+    (own,) = pr.plan(cfg, path, pr.Settings(endpoint=topology))
+    assert e["gpus"] == own["gpus"] and e["gpus_how"] == own["gpus_how"]
+    from kvbench.endpoints.config import validate_options
+
+    a = validate_options(topology, e["options"]).resolved()
+    b = validate_options(topology, own["options"]).resolved()
+    assert a.cfg.model_dump(exclude={"replicas"}) == b.cfg.model_dump(exclude={"replicas"})
+    assert (a.capacity_blocks, a.link_gb_s, a.offload_step_overhead) == \
+        (b.capacity_blocks, b.link_gb_s, b.offload_step_overhead)
+
+
+def test_endpoints_that_are_not_built_in_are_named_as_not_predicted(tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    text = cfg.read_text().replace("[workloads.chat]", '[[endpoints]]\nname = "real"\n'
+                                   'kind = "openai"\nurl = "http://127.0.0.1:9"\n\n'
+                                   "[workloads.chat]")
+    cfg.write_text(text)
+    got = predict_json(capsys, "--config", str(cfg), "--seconds", "5", "--warmup-s", "1",
+                       "--guess", "20", "--precision", "0.3", "--loads", "1")
+    assert [e["endpoint"] for e in got["endpoints"]] == ["tiny"] and got["skipped"] == ["real"]

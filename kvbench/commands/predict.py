@@ -147,6 +147,9 @@ def render(res: dict, markdown: bool = False) -> str:
              f"its requests; {res['seconds']:g} s judged per rate after {res['warmup_s']:g} s; "
              f"bisected to {res['precision']:g}; seeds {res['seeds']}; "
              f"{'warm' if res['warm'] else 'cold'} cache"]
+    if res["skipped"]:
+        lines.append(f"{bullet}not predicted (not built-in; kvbench calibrate fits a twin of "
+                     f"one): {', '.join(res['skipped'])}")
     for e in res["endpoints"]:
         c = e["capacity"]
         title = e["endpoint"] + (f" as {e['topology']} (what-if)" if e["what_if"] else

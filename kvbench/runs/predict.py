@@ -271,4 +271,6 @@ def predict(cfg, path, settings: Settings, say=lambda line: None) -> dict:
             "target": settings.target, "seeds": seeds, "seconds": settings.seconds,
             "warmup_s": settings.warmup_s, "precision": settings.precision,
             "requests": len(work.reqs), "endpoints": todo,
+            "skipped": [ep.name for ep in cfg.endpoints if ep.kind != "builtin"
+                        and settings.endpoint in (None, ep.name)],
             "wall_s": time.monotonic() - t0, "cpu_s": time.process_time() - cpu0}
