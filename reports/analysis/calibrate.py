@@ -327,13 +327,14 @@ def _budget(df: pd.DataFrame, out: Fit, rate, a) -> None:
     gaps = []
     for offs in df.loc[dec, "chunk_offsets_ns"]:
         if offs is not None and len(offs) > 1:
-            gaps.append(np.diff(np.asarray(offs, dtype=float)) / 1e6)
+            d = np.diff(np.asarray(offs, dtype=float)) / 1e6
+            gaps.append(d[d > 1.5 * np.median(d)])  # the steps a prefill chunk stretched
     g = np.concatenate(gaps) if gaps else np.zeros(0)
-    if len(g) < 10:
+    if len(g) < 3:
         out.missing.append("step token budget: too few inter-token gaps; it needs "
                            + STAGE["budget"])
         return
-    top = np.quantile(g, 0.99)
+    top = np.quantile(g, 0.9)
     cluster = g[(g >= 0.85 * top) & (g <= 1.15 * top)]
     step = float(np.median(cluster))
     budget = step * rate
