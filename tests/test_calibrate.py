@@ -248,3 +248,27 @@ def test_real_calibrate_run_recovers_prefill_rate_and_kv_capacity(tmp_path):
     assert tw["kv_capacity_tokens"]["status"] == "metrics"
     assert tw["kv_capacity_tokens"]["value"] == 100000
     shutil.rmtree(tmp_path / "results", ignore_errors=True)
+
+
+def test_calibrate_profile_stages_name_their_workloads():
+    from kvbench.config import load_config, parse_config
+    from kvbench.runs import matrix
+
+    cfg = load_config(ROOT / "bench.toml")
+    prof = cfg.profiles["calibrate"]
+    assert prof.stage_workloads()[0] == "calib_prefill"
+    sel = matrix.select(cfg, profile="calibrate", endpoints=["colocated"])
+    ep = sel.endpoints[0]
+    jobs = matrix.jobs(cfg, sel, [(ep, "http://127.0.0.1:1", "m", 131072)], run_id="r",
+                       results_dir="/tmp")
+    assert [j.workload for j in jobs] == prof.stage_workloads()  # once, in stage order
+    assert [j.stage_index for j in jobs] == list(range(len(prof.stages)))
+    bad = {"endpoints": [{"name": "e", "kind": "openai", "url": "http://127.0.0.1:1"}],
+           "workloads": {"chat": {"kind": "chat"}},
+           "profiles": {"p": {"stages": [{"users": 1, "duration_s": 1, "workload": "chat"},
+                                         {"users": 1, "duration_s": 1}]}}}
+    with pytest.raises(Exception, match="give every stage"):
+        parse_config(bad)
+    bad["profiles"]["p"]["stages"][1]["workload"] = "nope"
+    with pytest.raises(Exception, match="nope"):
+        parse_config(bad)
