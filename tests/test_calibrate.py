@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ class Synth:
         self.b = p["kv_bytes_per_token"] / (p["hbm_gb_s"] * 1e9) * 1e3
         self.p = p
         self.rows: list[dict] = []
+        self.keys: dict = {}
         self.t = 0.0  # ms
         self.rng = np.random.default_rng(1)
 
@@ -102,21 +104,27 @@ class Synth:
         self.add(t0 + 10, 10 + P_long / self.rate, [10 + P_long / self.rate + 1], P_long, 1)
         self.t = t0 + offs[-1] + 5
 
-    def evict(self, contract=8000, n=160):
-        """One prefix re-asked after fillers: a hit while the tokens since its last use fit."""
-        since, cap = None, self.p["kv_capacity_tokens"]
-        for _ in range(n):
-            if since is not None and self.rng.random() < 0.15:
-                hit = since + contract <= cap
-                self.alone(contract, cached=contract - 32 if hit else 0, shared=contract - 32,
-                           session="contract")
-                since = 0
-            else:
-                P = int(self.rng.integers(4000, 12000))
-                self.alone(P)
-                since = (since or 0) + P + 2
-            if since is None:
-                since = 0
+    def evict(self, docs=24, L=8000, n=150):
+        """One user asking documents at random: an LRU of blocks as the engine keeps it
+        (a request's blocks released tail first), each document a prefix key."""
+        bt, cap = 16, self.p["kv_capacity_tokens"] // 16
+        lru: OrderedDict = OrderedDict()
+        system = [("sys", k) for k in range(8)]
+        for r in range(n):
+            d = int(self.rng.integers(docs))
+            prefix = system + [("doc", d, k) for k in range(L // bt)]
+            hit = 0
+            while hit < len(prefix) and prefix[hit] in lru:
+                hit += 1
+            blocks = prefix + [("tail", r, k) for k in range(3)]
+            for b in blocks:
+                lru.pop(b, None)
+            while len(lru) + len(blocks) > cap:
+                lru.popitem(last=False)
+            for b in reversed(blocks):
+                lru[b] = None
+            self.keys[f"q{len(self.rows)}"] = d
+            self.alone(len(prefix) * bt + 32, cached=hit * bt, shared=len(prefix) * bt)
 
     def table(self) -> pa.Table:
         cols = {f.name: [r.get(f.name) for r in self.rows] for f in REQUESTS}
@@ -140,11 +148,12 @@ def synthetic(p: dict, *, prefill=True, cached=True, decode=True, mixed=True, ev
         s.mixed()
     if evict:
         s.evict()
-    return s.table()
+    return s.table(), s.keys
 
 
 def test_fit_recovers_synthetic_parameters_within_10pct():
-    fit = C.fit(synthetic(TRUE), None, "ep")
+    recs, keys = synthetic(TRUE)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
     assert not fit.missing, fit.missing
     for name, want in TRUE.items():
         got = fit.params[name]
@@ -155,21 +164,21 @@ def test_fit_recovers_synthetic_parameters_within_10pct():
 
 def test_limit_that_never_binds_is_a_bound():
     p = dict(TRUE, max_num_seqs=256)
-    fit = C.fit(synthetic(p, evict=False), None, "ep")
+    fit = C.fit(synthetic(p, evict=False)[0], None, "ep")
     seqs = fit.params["max_num_seqs"]
     assert seqs.status == "bound" and seqs.value >= 24  # "at least" the users it saw
 
 
 def test_without_cached_prompts_the_front_end_is_folded_into_the_rate():
-    fit = C.fit(synthetic(TRUE, cached=False), None, "ep")
+    fit = C.fit(synthetic(TRUE, cached=False)[0], None, "ep")
     combined = 1 / (1 / TRUE["prefill_tok_per_ms"] + TRUE["frontend_us_per_prompt_token"] / 1e3)
     assert abs(fit.params["prefill_tok_per_ms"].value - combined) <= 0.1 * combined
     assert any("not separable" in n for n in fit.notes)
 
 
 def test_missing_stages_are_named():
-    fit = C.fit(synthetic(TRUE, prefill=False, cached=False, evict=False, mixed=False), None,
-                "ep")
+    fit = C.fit(synthetic(TRUE, prefill=False, cached=False, evict=False, mixed=False)[0],
+                None, "ep")
     text = " ".join(fit.missing)
     assert "calib_prefill" in text  # the stage that would supply the prefill rate
     assert "calib_evict" in text  # no metrics and no eviction probe: KV capacity
@@ -191,7 +200,7 @@ def _engine_table(gen_tokens: float, capacity_blocks: int = 0) -> pa.Table:
 
 
 def test_metrics_capacity_and_interference():
-    recs = synthetic(TRUE, evict=False)
+    recs = synthetic(TRUE, evict=False)[0]
     sent = sum(recs.column("completion_tokens").to_pylist())
     fit = C.fit(recs, _engine_table(sent, 5000), "ep")
     kv = fit.params["kv_capacity_tokens"]
@@ -206,7 +215,8 @@ def test_twin_file_is_a_builtin_endpoint(tmp_path):
     from kvbench.config import parse_config
     from kvbench.endpoints.config import EmulatorConfig
 
-    fit = C.fit(synthetic(TRUE), None, "ep")
+    recs, keys = synthetic(TRUE)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
     text = render_twin(fit, name="ep-twin", endpoint="ep", source_run="r1",
                        base_options={"replicas": 1}, defaults=EmulatorConfig().model_dump())
     doc = tomllib.loads(text)

@@ -19,6 +19,9 @@ def add_parser(p) -> None:
     p.add_argument("-o", "--output", type=Path, default=Path("twin.toml"),
                    help="the twin file to write (default twin.toml)")
     p.add_argument("--name", default=None, help="the twin endpoint's name (default NAME-twin)")
+    p.add_argument("--probe-kv", action="store_true",
+                   help="find the KV capacity by the eviction stage even where the engine's "
+                        "/metrics publishes its cache config (a check of the probe)")
 
 
 def _toml_value(v) -> str:
@@ -91,6 +94,43 @@ def report(fit, out=sys.stdout) -> None:
         print(f"UNRELIABLE: {fit.unreliable}", file=out)
 
 
+def prefix_keys(config: dict, requests) -> dict:
+    """request id -> its shared prefix's identity (a document), for the single-turn workloads
+    of the run whose requests share prefixes: rebuilt from the run's own config and seed (the
+    records keep no prompt text). The key is the text right after what every prompt of the
+    workload shares (a system prompt), where the documents begin."""
+    import hashlib
+    import os
+
+    import pyarrow.compute as pc
+
+    from kvbench.workloads.registry import make_from_specs, tables_adapter
+    from kvbench.workloads.tokenizer import get_tokenizer
+
+    shared = requests.filter(pc.greater(pc.fill_null(requests.column("shared_prefix_tokens"),
+                                                     0), 0))
+    names = sorted(set(x for x in shared.column("workload").to_pylist() if x))
+    tables = (config or {}).get("workloads") or {}
+    suite = (config or {}).get("suite") or {}
+    out: dict = {}
+    for name in names:
+        spec = tables.get(name)
+        if not spec or spec.get("kind") != "rag":  # sticky sessions key by session id
+            continue
+        try:
+            specs = tables_adapter().validate_python({name: spec})
+            wl = make_from_specs(name, specs, int(suite.get("seed", 0)),
+                                 get_tokenizer(suite.get("tokenizer", "builtin")))
+            reqs = list(wl.requests())
+        except Exception:  # noqa: BLE001 - a run from another version: no keys, say nothing
+            continue
+        prompts = [r.prompt or str(r.messages) for r in reqs]
+        lcp = len(os.path.commonprefix(prompts)) if len(prompts) > 1 else 0
+        for r, text in zip(reqs, prompts):
+            out[r.request_id] = hashlib.sha1(text[lcp:lcp + 512].encode()).hexdigest()
+    return out
+
+
 def run(args) -> int:
     from kvbench.endpoints.config import EmulatorConfig
     from kvbench.core.runjson import read_meta
@@ -116,7 +156,8 @@ def run(args) -> int:
     base = {k: src_opts[k] for k in ("model", "weight_dtype", "kv_dtype", "hardware",
                                      "block_tokens", "replicas") if k in src_opts}
     fit = C.fit(requests, engine, endpoint, model=base.get("model", "llama-3-70b"),
-                weight_dtype=base.get("weight_dtype", "fp8"))
+                weight_dtype=base.get("weight_dtype", "fp8"),
+                prefix_keys=prefix_keys(meta.config, requests), use_metrics=not args.probe_kv)
     if not fit.params:
         raise UserError(fit.missing[0] if fit.missing else
                         f"{run_dir}: nothing to fit for endpoint {endpoint!r}")

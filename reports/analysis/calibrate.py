@@ -51,8 +51,8 @@ STAGE = {
               "longer than the step budget)",
     "seqs": "a decode stage with more users than the engine runs at once (calib_decode at "
             "32 users)",
-    "kv": "the eviction stage (workload calib_evict: a prefix re-asked after varying amounts "
-          "of unique filler)",
+    "kv": "the eviction stage (workload calib_evict: one user re-asking documents at random "
+          "from a set larger than the cache)",
 }
 
 
@@ -141,7 +141,12 @@ def _rms(res: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- the fit
 
 def fit(requests: pa.Table, engine: pa.Table | None, endpoint: str, *,
-        model: str = "llama-3-70b", weight_dtype: str = "fp8") -> Fit:
+        model: str = "llama-3-70b", weight_dtype: str = "fp8", prefix_keys: dict | None = None,
+        use_metrics: bool = True) -> Fit:
+    """``prefix_keys``: request id -> what its shared prefix is (a document), for workloads
+    whose single-turn requests share prefixes (the eviction probe; sticky sessions need
+    none); ``use_metrics=False`` finds the KV capacity by the eviction probe even where the
+    engine publishes it."""
     out = Fit()
     df = frame(requests, endpoint)
     if df.empty:
@@ -155,7 +160,7 @@ def fit(requests: pa.Table, engine: pa.Table | None, endpoint: str, *,
     rate = out.params["prefill_tok_per_ms"].value if "prefill_tok_per_ms" in out.params else None
     _budget(df, out, rate, a)
     _seqs(df, out)
-    _kv(df, engine, endpoint, out)
+    _kv(df, engine, endpoint, out, alone, prefix_keys, use_metrics)
     _interference(df, engine, endpoint, out)
     return out
 
@@ -390,8 +395,9 @@ def _seqs(df: pd.DataFrame, out: Fit) -> None:
                                            f"never bound: at least {max(m, in_flight)}")
 
 
-def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit) -> None:
-    geo = _kv_metrics(engine, endpoint)
+def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit, alone,
+        keys: dict | None, use_metrics: bool) -> None:
+    geo = _kv_metrics(engine, endpoint) if use_metrics else None
     if geo is not None:
         block, cap = geo
         out.params["kv_capacity_tokens"] = Param("kv_capacity_tokens", cap, 0.0, "metrics",
@@ -399,45 +405,98 @@ def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit) -> N
                                                  f"cache config: {cap // block} blocks of "
                                                  f"{block} tokens")
         return
-    # the eviction probe: each re-asked session prefix, its reuse distance and hit or miss
-    df = df.sort_values("start")
-    shared = df["shared_prefix_tokens"].fillna(0).to_numpy()
-    sess = df["session_id"].to_numpy()
-    toks = (df["P"] + df["O"]).to_numpy()
-    last: dict = {}
-    hits, misses = [], []
-    known = df["has_cached"].to_numpy()
-    C, P = df["C"].to_numpy(), df["P"].to_numpy()
-    cum = np.concatenate([[0.0], np.cumsum(toks)])
-    for i in range(len(df)):
-        if shared[i] <= 0 or not known[i]:
-            continue
-        j = last.get(sess[i])
-        last[sess[i]] = i
-        if j is None:
-            continue
-        dist = cum[i] - cum[j + 1] + P[i]  # tokens sent since, plus its own prompt
-        (hits if C[i] >= 0.5 * shared[i] else misses).append(dist)
-    if not hits or not misses:
-        what = ("no re-asked prefix" if not hits and not misses else
-                "no re-asked prefix was evicted" if not misses else "no re-asked prefix hit")
-        if hits and not misses:
-            out.params["kv_capacity_tokens"] = Param(
-                "kv_capacity_tokens", max(hits), 0.0, "bound", "tokens", len(hits), None,
-                f"never evicted: at least {max(hits):.0f}")
-            return
-        out.missing.append(f"KV capacity: the engine's /metrics gave no cache config and the "
-                           f"run has {what}; it needs " + STAGE["kv"])
+    lower, exact, upper = _reuse(df, alone, keys)
+    why = "not read from the engine's metrics" if not use_metrics else \
+        "the engine's /metrics gave no cache config"
+    if exact:
+        e = np.asarray(exact)
+        med = float(np.median(e))
+        lo = max([x for x in lower if x <= med * 1.05] or [med])
+        se = float(max(np.std(e) / np.sqrt(len(e)), block_tokens_se(len(e))))
+        out.params["kv_capacity_tokens"] = Param(
+            "kv_capacity_tokens", med, se, "fit", "tokens", len(e), None,
+            f"eviction probe ({why}): {len(e)} partly evicted prefixes, capacity = LRU stack "
+            f"distance + cached tokens; {len(lower)} full hits (at least {lo:.0f}), "
+            f"{len(upper)} misses")
         return
-    lo = max([h for h in hits if h < min(misses)] or [min(hits)])
-    hi = min([m for m in misses if m > lo] or [max(misses)])
-    mid = (lo + hi) / 2
-    bad = sum(h > hi for h in hits) + sum(m < lo for m in misses)
-    out.params["kv_capacity_tokens"] = Param(
-        "kv_capacity_tokens", mid, (hi - lo) / np.sqrt(12), "fit", "tokens",
-        len(hits) + len(misses), None,
-        f"eviction probe: hits up to {lo:.0f}, misses from {hi:.0f} reuse-distance tokens"
-        + (f"; {bad} out of order" if bad else ""))
+    if lower and upper:
+        lo, hi = max(lower), min(upper)
+        if lo > hi:  # out of order (concurrency, host noise): the middle of the overlap
+            lo, hi = hi, lo
+        out.params["kv_capacity_tokens"] = Param(
+            "kv_capacity_tokens", (lo + hi) / 2, (hi - lo) / np.sqrt(12), "fit", "tokens",
+            len(lower) + len(upper), None,
+            f"eviction probe ({why}): full hits up to {lo:.0f}, misses from {hi:.0f} tokens "
+            "of LRU stack distance")
+        return
+    if lower:
+        out.params["kv_capacity_tokens"] = Param(
+            "kv_capacity_tokens", max(lower), 0.0, "bound", "tokens", len(lower), None,
+            f"eviction probe ({why}): never evicted; at least {max(lower):.0f}")
+        return
+    out.missing.append(f"KV capacity: {why} and the run re-asked no prefix after enough "
+                       "other tokens to evict it; it needs " + STAGE["kv"])
+
+
+def block_tokens_se(n: int) -> float:
+    return 16.0 / np.sqrt(max(n, 1))  # a block's rounding
+
+
+def _reuse(df: pd.DataFrame, alone, keys: dict | None):
+    """Per re-asked prefix: its LRU stack distance D (tokens of other requests since its last
+    use, each prefix counted once) and what it kept; returns lists of capacity estimates:
+    lower bounds (D + cached, fully hit), exact (D + cached, partly evicted: the engine drops
+    a prefix's blocks tail first) and upper bounds (D + cached, nothing beyond the common
+    prefix kept). Only requests sent one at a time, within one stage (each stage's job starts
+    from a reset cache)."""
+    lower: list[float] = []
+    exact: list[float] = []
+    upper: list[float] = []
+    rid = df["request_id"].to_numpy()
+    key = np.array([(keys or {}).get(r) for r in rid], dtype=object)
+    sess = df["session_id"].to_numpy()
+    shared = df["shared_prefix_tokens"].fillna(0).to_numpy()
+    for i in range(len(df)):  # a sticky session is its own prefix
+        if key[i] is None and shared[i] > 0:
+            key[i] = ("session", sess[i])
+    P, O, Cc = df["P"].to_numpy(), df["O"].to_numpy(), df["C"].to_numpy()
+    known = df["has_cached"].to_numpy()
+    stage = df["stage"].fillna(-1).to_numpy()
+    for st in np.unique(stage):
+        idx = [i for i in np.flatnonzero(stage == st) if alone[i]]
+        keyed = [i for i in idx if key[i] is not None and known[i]]
+        if len(keyed) < 3:
+            continue
+        # what nearly every request keeps (a system prompt): the low end of the cached tokens
+        common = float(np.quantile([Cc[i] for i in keyed], 0.1))
+        last: dict = {}
+        for n, i in enumerate(idx):
+            k = key[i]
+            if k is None or not known[i]:
+                continue
+            j = last.get(k)
+            last[k] = n
+            if j is None:
+                continue
+            seen: set = set()
+            d = 0.0
+            for m in idx[j + 1:n]:
+                km = key[m]
+                if km is None or km not in seen:
+                    d += P[m] + O[m] - common  # the common prefix is one set of blocks
+                    if km is not None:
+                        seen.add(km)
+                else:
+                    d += max(0.0, P[m] - shared[m]) + O[m]  # its own tail only
+            c = Cc[i]
+            est = d + c
+            if c >= shared[i] - 16:
+                lower.append(est)
+            elif c <= common + 16:
+                upper.append(d + common)
+            else:
+                exact.append(est)
+    return lower, exact, upper
 
 
 def _kv_metrics(engine: pa.Table | None, endpoint: str):
