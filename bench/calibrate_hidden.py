@@ -7,8 +7,8 @@ calibrate``; prints recovered against true with the % error, per option.
 Ranges (each chosen to bind under the profile): prefill_tok_per_ms 25-60, max_num_seqs 8-24
 (the profile reaches 32 users), step_token_budget 1536-6144 (its mixed stage sends 12,288-token
 prompts), kv_capacity_tokens 60,000-160,000 (read from the engine's cache-config metric; the
-built-in endpoint always publishes it, so the eviction-probe path is exercised by the tests'
-synthetic records, not here).
+built-in endpoint publishes it; the same run is fitted again with --probe-kv, the capacity then
+found by the eviction stage alone: the "(probe)" row).
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ def one(seed: int, work: Path) -> list[tuple]:
                          capture_output=True, text=True)
     print(out.stdout)
     fit = tomllib.loads(twin.read_text())["twin"]["fit"]
+    probe = work / f"twin-{seed}-probe.toml"  # the same run, KV capacity by eviction probe
+    subprocess.run(kv + ["calibrate", str(work / "results" / run_id), "--endpoint",
+                         "colocated", "-o", str(probe), "--probe-kv"], cwd=work, check=True,
+                   capture_output=True)
+    fit["kv_capacity_tokens (probe)"] = tomllib.loads(probe.read_text())["twin"]["fit"].get(
+        "kv_capacity_tokens", {})
+    hidden["kv_capacity_tokens (probe)"] = hidden["kv_capacity_tokens"]
     rows = []
     for k, true in hidden.items():
         f = fit.get(k, {})
@@ -74,13 +81,13 @@ def main() -> int:
         work = a.keep or Path(tempfile.mkdtemp(prefix=f"calib-{seed}-"))
         work.mkdir(parents=True, exist_ok=True)
         rows += one(seed, work)
-    print(f"{'seed':>4} {'option':24s} {'true':>10} {'recovered':>10} {'stderr':>9} "
+    print(f"{'seed':>4} {'option':28s} {'true':>10} {'recovered':>10} {'stderr':>9} "
           f"{'status':8s} {'error %':>8}")
     for seed, k, true, got, se, status, err in rows:
         g = f"{got:.4g}" if got is not None else "-"
         e = f"{err:+.1f}" if err is not None else "-"
         s = f"{se:.3g}" if se is not None else "-"
-        print(f"{seed:>4} {k:24s} {true:>10} {g:>10} {s:>9} {status or '-':8s} {e:>8}")
+        print(f"{seed:>4} {k:28s} {true:>10} {g:>10} {s:>9} {status or '-':8s} {e:>8}")
     return 0
 
 
