@@ -10,12 +10,11 @@ prompts), kv_capacity_tokens 60,000-160,000 (read from the engine's cache-config
 built-in endpoint publishes it; the same run is fitted again with --probe-kv, the capacity then
 found by the eviction stage alone: the "(probe)" row).
 
-Measured (seeds 1-5, one busy 2-core host, about 2.5-3 min of profile per seed): max_num_seqs
-exact in 5/5; KV capacity exact from the metrics and within 0.1% by the eviction probe in 4/4
-(seeds 2-5); prefill_tok_per_ms -1.3, +3.5, +1.0, +10.7, +3.4 %; step_token_budget -1.1, +4.5,
-+1.0, +9.5, +2.3 % (the budget is a step time times the fitted rate, so it inherits the rate's
-error). The rate's error grows with the rate: the measured TTFT slope runs 1-2 us per prompt
-token below the model's (1/rate + front end), so the faster the prefill the larger its share.
+Measured (seeds 1-5, a busy 2-core host, 2.5-3 min of profile per seed; seed 1 ran an earlier
+10-stage draft of the profile, so it has no eviction-probe row), recovered - true:
+prefill_tok_per_ms -1.3, -3.1, -1.2, +0.6, -1.4 %; step_token_budget -1.1, -2.2, -1.3, -0.5,
+-2.5 %; max_num_seqs exact 5/5; kv_capacity_tokens exact from the metrics 5/5 and by the
+eviction probe -0.02, -0.03, -0.02, -0.04 % (seeds 2-5).
 """
 
 from __future__ import annotations

@@ -243,7 +243,12 @@ def _chunks(u: float, done: float, budget: float):
 
 def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
     """TTFT = c0 + f P + sum over chunks of max(chunk / rate, a + b ctx) for lone requests."""
-    sub = df[alone]
+    # a shared prefix that was not (wholly) found is an eviction-probe sample, not a designed
+    # cold prompt: measured, such rows (one prompt length, many of them) pulled the rate 10%
+    # off, so the prefill fit takes cold prompts that share nothing and fully cached ones
+    shared = df["shared_prefix_tokens"].fillna(0).to_numpy()
+    probe = (shared > 0) & (df["C"].to_numpy() < shared - 16)
+    sub = df[alone & ~probe]
     if len(sub) < 4:
         out.missing.append("prefill rate: fewer than 4 requests ran alone; it needs "
                            + STAGE["prefill"])
