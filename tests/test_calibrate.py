@@ -220,7 +220,9 @@ def test_twin_file_is_a_builtin_endpoint(tmp_path):
                        base_options={"replicas": 1}, defaults=EmulatorConfig().model_dump())
     doc = tomllib.loads(text)
     tw = doc["twin"]
-    assert tw["endpoint"] == "ep" and tw["source_run"] == "r1"
+    # [twin] endpoint names the twin's own [[endpoints]] table; the measured one is its source
+    assert tw["endpoint"] == "ep-twin" and tw["source_endpoint"] == "ep"
+    assert tw["source_run"] == "r1"
     assert set(tw["fitted"]) == set(TRUE)
     for name in TRUE:
         assert {"value", "stderr", "status"} <= set(tw["fit"][name])

@@ -56,7 +56,8 @@ def render_twin(fit, *, name: str, endpoint: str, source_run: str, base_options:
     lines = ["# A calibrated twin (kvbench calibrate): the built-in engine model with options",
              f"# fitted to run {source_run} of endpoint {endpoint!r}. Serve it with",
              "# kvbench serve --config THIS_FILE, or use the [[endpoints]] table in any bench.toml.",
-             "", "[twin]", f"endpoint = {_toml_value(endpoint)}",
+             "", "[twin]", f"endpoint = {_toml_value(name)}",  # the [[endpoints]] below
+             f"source_endpoint = {_toml_value(endpoint)}",
              f"source_run = {_toml_value(source_run)}",
              f"fitted = {_toml_value(sorted(fit.params))}",
              f"reliable = {_toml_value(fit.unreliable is None)}"]
