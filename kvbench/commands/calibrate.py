@@ -53,9 +53,13 @@ def _param_table(prefix: str, p) -> list[str]:
 def render_twin(fit, *, name: str, endpoint: str, source_run: str, base_options: dict,
                 defaults: dict) -> str:
     opts = {**base_options, **fit.options(defaults)}
+    import json
+
     lines = ["# A calibrated twin (kvbench calibrate): the built-in engine model with options",
-             f"# fitted to run {source_run} of endpoint {endpoint!r}. Serve it with",
-             "# kvbench serve --config THIS_FILE, or use the [[endpoints]] table in any bench.toml.",
+             f"# fitted to run {source_run} of endpoint {endpoint!r}. Use the [[endpoints]]",
+             "# table below in any bench.toml (kvbench run starts it), or serve it alone:",
+             "# kvbench serve --topology colocated --port 0 --options-json "
+             f"'{json.dumps(opts, separators=(',', ':'))}'",
              "", "[twin]", f"endpoint = {_toml_value(name)}",  # the [[endpoints]] below
              f"source_endpoint = {_toml_value(endpoint)}",
              f"source_run = {_toml_value(source_run)}",
