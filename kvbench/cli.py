@@ -23,6 +23,7 @@ COMMANDS = {
                   "longctx)\")",
     "probe": "probe the endpoint's cache: retention (how long a prefix stays cached under "
              "background load)",
+    "calibrate": "fit the built-in engine model to a calibration run: a twin endpoint (twin.toml)",
     "plan": "print the cost model's comparisons (routers, offload, P/D crossover, Hogwild!)",
     "predict": "capacity at SLO and latency of built-in endpoints (a calibrated twin) and "
                "what-if topologies, in virtual time, no load sent",

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvbench.core.contract import StagePlan
-from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, Strict
+from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, Name, Strict
 
 # The prefix-cache state a run starts from (``runs.cache``): "reset" empties the engine's cache
 # through its own API (fresh prefixes where it has none), "warm" resets then sends each shared
@@ -24,6 +24,10 @@ class Stage(Strict):
     # the stage ends once this many requests were sent (all processes together), or at
     # duration_s, whichever comes first: a run of exactly N requests is reproducible
     requests: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
+    # closed loop only: the [workloads.<name>] this stage sends instead of the suite's (a
+    # designed experiment such as [profiles.calibrate]: each stage one request shape); given
+    # on one stage, given on all, and the profile runs once per endpoint, not per workload
+    workload: Name | None = None
 
     def plan(self, index: int, duration_scale: float = 1.0) -> StagePlan:
         """This stage as the job plans it: ``index`` in its profile, the duration scaled."""
@@ -131,6 +135,13 @@ class LoadProfile(Strict):
             raise ValueError("search settings need pacing = \"search\"; remove search")
         if not self.stages:
             raise ValueError("stages needs at least one stage; add stages = [...]")
+        named = [st.workload is not None for st in self.stages]
+        if any(named) and self.pacing != "closed":
+            raise ValueError("stages name workloads only with pacing = \"closed\" (each "
+                             "stage its own run); remove workload or use closed pacing")
+        if any(named) and not all(named):
+            raise ValueError("some stages name a workload and some do not; give every stage "
+                             "its workload, or none")
         for i, st in enumerate(self.stages):
             if self.pacing == "closed" and st.users is None:
                 raise ValueError(f"stages[{i}] needs users for closed-loop pacing; set users")
@@ -138,3 +149,7 @@ class LoadProfile(Strict):
                 raise ValueError(f"stages[{i}] needs rate_rps for {self.pacing} pacing; "
                                  "set rate_rps")
         return self
+
+    def stage_workloads(self) -> list[str]:
+        """The workloads the stages name, in stage order (empty: the suite's workloads)."""
+        return [st.workload for st in self.stages if st.workload is not None]

@@ -211,6 +211,11 @@ def _cross_checks(cfg: BenchConfig) -> list[str]:
         if wname not in cfg.workloads:
             found.append(f"field suite.workloads: {wname!r} is not defined; add a "
                          f"[workloads.{wname}] table or remove it from the list")
+    for pname, prof in cfg.profiles.items():
+        for wname in dict.fromkeys(prof.stage_workloads()):
+            if wname not in cfg.workloads:
+                found.append(f"field profiles.{pname}.stages: workload {wname!r} is not "
+                             f"defined; add a [workloads.{wname}] table or fix the stage")
     if cfg.suite.profile is not None and cfg.suite.profile not in cfg.profiles:
         found.append(f"field suite.profile: {cfg.suite.profile!r} is not defined; "
                      f"use one of {sorted(cfg.profiles)}")

@@ -32,6 +32,9 @@ def select(cfg, *, endpoints=None, workloads=None, profile=None,
         if pn not in cfg.profiles:
             raise UserError(f"--profile {pn}: not a [profiles.*] table of {where}; use one "
                             f"of {sorted(cfg.profiles)}")
+    staged = [w for pn in profs for w in cfg.profiles[pn].stage_workloads()]
+    if staged:  # a designed profile: its stages' workloads are what runs
+        wl_names = list(dict.fromkeys(staged + ([] if len(profs) == 1 else wl_names)))
     return Selection(eps, wl_names, profs)
 
 
@@ -57,8 +60,18 @@ def jobs(cfg, sel: Selection, targets: list[tuple], *, run_id: str, results_dir,
     per endpoint as preflight found them."""
     out = []
     for ep, url, model, ctx in targets:
+        for pn in sel.profiles:  # a profile whose stages name workloads runs once, in order
+            staged = cfg.profiles[pn].stage_workloads()
+            for i, w in enumerate(staged):
+                job = resolve(cfg, workload=w, endpoint=ep.name, url=url, topology=ep.topology,
+                              model=model, max_context_tokens=ctx, profile=pn,
+                              duration_scale=duration_scale, run_id=run_id,
+                              results_dir=results_dir)
+                out.append(replace(job, stage_index=i))
         for w in sel.workloads:
             for pn in sel.profiles:
+                if cfg.profiles[pn].stage_workloads():
+                    continue
                 job = resolve(cfg, workload=w, endpoint=ep.name, url=url, topology=ep.topology,
                               model=model, max_context_tokens=ctx, profile=pn,
                               duration_scale=duration_scale, run_id=run_id,

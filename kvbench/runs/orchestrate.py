@@ -314,8 +314,9 @@ class MatrixRun:
         for job in jobs:
             ep = specs.get(job.endpoint.name)
             name = job.endpoint.name
-            if ep is None or ep.kind != "builtin" or first.setdefault(name, job.workload) == \
-                    job.workload:
+            staged = bool(job.profile and self.cfg.profiles[job.profile].stage_workloads())
+            if ep is None or ep.kind != "builtin" or staged or \
+                    first.setdefault(name, job.workload) == job.workload:
                 out.append(job)
                 continue
             proc, url = builtin.start(ep)

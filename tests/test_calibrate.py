@@ -1,0 +1,301 @@
+"""kvbench calibrate: the engine-model fit recovers known parameters, from synthetic records
+made with the model's own step formula, and from a real short run of [profiles.calibrate]
+against a built-in endpoint with non-default options."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvbench.core.schema import ENGINE, REQUESTS
+from kvbench.model import profiles as pf
+from kvbench.reports.analysis import calibrate as C
+
+ROOT = Path(__file__).resolve().parents[1]
+W = pf.MODELS["llama-3-70b"].weight_bytes("fp8")
+
+TRUE = dict(prefill_tok_per_ms=31.0, frontend_us_per_prompt_token=3.0, hbm_gb_s=4000.0,
+            kv_bytes_per_token=160_000, step_token_budget=3000, max_num_seqs=10,
+            kv_capacity_tokens=70_000)
+
+
+class Synth:
+    """Records from the step model: step = max(tokens / rate, a + b * kv)."""
+
+    def __init__(self, p: dict):
+        self.rate = p["prefill_tok_per_ms"]
+        self.f = p["frontend_us_per_prompt_token"] / 1e3
+        self.a = W / (p["hbm_gb_s"] * 1e9) * 1e3
+        self.b = p["kv_bytes_per_token"] / (p["hbm_gb_s"] * 1e9) * 1e3
+        self.p = p
+        self.rows: list[dict] = []
+        self.keys: dict = {}
+        self.t = 0.0  # ms
+        self.rng = np.random.default_rng(1)
+
+    def step(self, tokens, kv):
+        return max(tokens / self.rate, self.a + self.b * kv)
+
+    def add(self, start, ttft, offs, P, O, cached=0, shared=0, session=None):
+        i = len(self.rows)
+        self.rows.append(dict(
+            run_id="r", endpoint="ep", topology="colocated", workload="w", request_class="chat",
+            stage=0, request_id=f"q{i}", session_id=session or f"s{i}", turn=0, worker="h:1",
+            prompt_tokens=int(P), prompt_tokens_client=int(P), shared_prefix_tokens=int(shared),
+            max_tokens=int(O), completion_tokens=int(O), completion_tokens_client=int(O),
+            cached_tokens=int(cached), t_scheduled=int(start * 1e6), t_sent=int(start * 1e6),
+            connect_ns=0, ttft_ns=int(ttft * 1e6),
+            chunk_offsets_ns=[int(x * 1e6) for x in offs], chunk_tokens=[1] * len(offs),
+            e2e_ns=int(offs[-1] * 1e6), status="ok", http_status=200))
+
+    def jitter(self):
+        return float(self.rng.normal(0, 0.05))
+
+    def alone(self, P, cached=0, shared=0, session=None, O=2):
+        u, done, ttft = P - cached, cached, 1.0 + self.f * P
+        while u > 0:
+            c = min(u, self.p["step_token_budget"])
+            ttft += self.step(c, done + c)
+            u -= c
+            done += c
+        ttft += self.jitter()
+        offs = [ttft + k * self.step(1, P + k) for k in range(O)]
+        self.add(self.t, ttft, offs, P, O, cached, shared, session)
+        self.t += offs[-1] + 5
+
+    def batch(self, users, P, O, waves=3, cached=0):
+        """``users`` requests in lockstep waves, ``max_num_seqs`` at a time."""
+        m = self.p["max_num_seqs"]
+        for _ in range(waves):
+            t0 = self.t
+            queue_end = t0
+            for g in range(0, users, m):
+                n = min(m, users - g)
+                ttft0 = (queue_end - t0) + 1.0 + self.f * P + self.step(n * (P - cached),
+                                                                        n * P)
+                tpot = self.a + self.b * n * (P + O / 2)
+                for _k in range(n):
+                    ttft = ttft0 + self.jitter()
+                    offs = [ttft + k * tpot for k in range(O)]
+                    self.add(t0, ttft, offs, P, O, cached, cached)
+                queue_end = t0 + ttft0 + (O - 1) * tpot + 1
+            self.t = queue_end + 5
+
+    def mixed(self, decodes=6, P_long=12000, O=64):
+        """Decodes whose steps a long prompt's chunks stretch (budget-sized chunks)."""
+        t0 = self.t
+        tpot = self.a + self.b * decodes * (64 + O / 2)
+        full = self.p["step_token_budget"] / self.rate
+        for _d in range(decodes):
+            gaps = [tpot] * (O - 1)
+            for k in range(5, 5 + int(P_long // self.p["step_token_budget"])):
+                gaps[k] = full + self.jitter()
+            offs = list(np.cumsum([20.0] + gaps))
+            self.add(t0, 20.0, offs, 64, O)
+        self.add(t0 + 10, 10 + P_long / self.rate, [10 + P_long / self.rate + 1], P_long, 1)
+        self.t = t0 + offs[-1] + 5
+
+    def evict(self, docs=24, L=8000, n=150):
+        """One user asking documents at random: an LRU of blocks as the engine keeps it
+        (a request's blocks released tail first), each document a prefix key."""
+        bt, cap = 16, self.p["kv_capacity_tokens"] // 16
+        lru: OrderedDict = OrderedDict()
+        system = [("sys", k) for k in range(8)]
+        for r in range(n):
+            d = int(self.rng.integers(docs))
+            prefix = system + [("doc", d, k) for k in range(L // bt)]
+            hit = 0
+            while hit < len(prefix) and prefix[hit] in lru:
+                hit += 1
+            blocks = prefix + [("tail", r, k) for k in range(3)]
+            for b in blocks:
+                lru.pop(b, None)
+            while len(lru) + len(blocks) > cap:
+                lru.popitem(last=False)
+            for b in reversed(blocks):
+                lru[b] = None
+            self.keys[f"q{len(self.rows)}"] = d
+            self.alone(len(prefix) * bt + 32, cached=hit * bt, shared=len(prefix) * bt)
+
+    def table(self) -> pa.Table:
+        cols = {f.name: [r.get(f.name) for r in self.rows] for f in REQUESTS}
+        return pa.Table.from_pydict(cols, schema=REQUESTS)
+
+
+def synthetic(p: dict, *, prefill=True, cached=True, decode=True, mixed=True, evict=True):
+    s = Synth(p)
+    if prefill:
+        for P in np.linspace(1024, 12288, 16):
+            s.alone(int(P))
+    if cached:
+        for P in np.linspace(1024, 12288, 10):
+            s.alone(int(P), cached=int(P) - 32, shared=int(P) - 32)
+    if decode:
+        for users in (1, 4, 16, 24):
+            s.batch(users, 64, 96)
+        for users in (4, 12):
+            s.batch(users, 2048, 96, cached=1888)
+    if mixed:
+        s.mixed()
+    if evict:
+        s.evict()
+    return s.table(), s.keys
+
+
+def test_fit_recovers_synthetic_parameters_within_10pct():
+    recs, keys = synthetic(TRUE)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
+    assert not fit.missing, fit.missing
+    for name, want in TRUE.items():
+        got = fit.params[name]
+        assert got.status == "fit", (name, got)
+        assert abs(got.value - want) <= 0.10 * want, (name, got.value, want)
+        assert got.stderr >= 0
+
+
+def test_limit_that_never_binds_is_a_bound():
+    p = dict(TRUE, max_num_seqs=256)
+    fit = C.fit(synthetic(p, evict=False)[0], None, "ep")
+    seqs = fit.params["max_num_seqs"]
+    assert seqs.status == "bound" and seqs.value >= 24  # "at least" the users it saw
+
+
+def test_without_cached_prompts_the_front_end_is_folded_into_the_rate():
+    fit = C.fit(synthetic(TRUE, cached=False)[0], None, "ep")
+    combined = 1 / (1 / TRUE["prefill_tok_per_ms"] + TRUE["frontend_us_per_prompt_token"] / 1e3)
+    assert abs(fit.params["prefill_tok_per_ms"].value - combined) <= 0.1 * combined
+    assert any("not separable" in n for n in fit.notes)
+
+
+def test_missing_stages_are_named():
+    fit = C.fit(synthetic(TRUE, prefill=False, cached=False, evict=False, mixed=False)[0],
+                None, "ep")
+    text = " ".join(fit.missing)
+    assert "calib_prefill" in text  # the stage that would supply the prefill rate
+    assert "calib_evict" in text  # no metrics and no eviction probe: KV capacity
+
+
+def _engine_table(gen_tokens: float, capacity_blocks: int = 0) -> pa.Table:
+    rows = []
+    lab = [("model_name", "m"), ("engine", "e0")]
+    for t, v in ((0, 0.0), (10**9, gen_tokens)):
+        rows.append(dict(t_ns=t, endpoint="ep", metric="vllm:generation_tokens_total",
+                         labels=lab, value=v))
+        rows.append(dict(t_ns=t, endpoint="ep", metric="kvbench:steps_total", labels=lab,
+                         value=v))
+    if capacity_blocks:
+        rows.append(dict(t_ns=0, endpoint="ep", metric="vllm:cache_config_info",
+                         labels=[("block_size", "16"), ("num_gpu_blocks",
+                                                        str(capacity_blocks))], value=1.0))
+    return pa.Table.from_pylist(rows, schema=ENGINE)
+
+
+def test_metrics_capacity_and_interference():
+    recs = synthetic(TRUE, evict=False)[0]
+    sent = sum(recs.column("completion_tokens").to_pylist())
+    fit = C.fit(recs, _engine_table(sent, 5000), "ep")
+    kv = fit.params["kv_capacity_tokens"]
+    assert kv.status == "metrics" and kv.value == 80_000
+    assert fit.unreliable is None
+    fit = C.fit(recs, _engine_table(sent * 3, 5000), "ep")
+    assert fit.unreliable and "unreliable" in fit.unreliable
+
+
+def test_twin_file_is_a_builtin_endpoint(tmp_path):
+    from kvbench.commands.calibrate import render_twin
+    from kvbench.config import parse_config
+    from kvbench.endpoints.config import EmulatorConfig
+
+    recs, keys = synthetic(TRUE)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
+    text = render_twin(fit, name="ep-twin", endpoint="ep", source_run="r1",
+                       base_options={"replicas": 1}, defaults=EmulatorConfig().model_dump())
+    doc = tomllib.loads(text)
+    tw = doc["twin"]
+    # [twin] endpoint names the twin's own [[endpoints]] table; the measured one is its source
+    assert tw["endpoint"] == "ep-twin" and tw["source_endpoint"] == "ep"
+    assert tw["source_run"] == "r1"
+    assert set(tw["fitted"]) == set(TRUE)
+    for name in TRUE:
+        assert {"value", "stderr", "status"} <= set(tw["fit"][name])
+    ep = doc["endpoints"][0]
+    assert ep["kind"] == "builtin"
+    cfg = parse_config({"endpoints": doc["endpoints"], "workloads": {"chat": {"kind": "chat"}},
+                        "profiles": {"p": {"stages": [{"users": 1, "duration_s": 1}]}}})
+    opts = cfg.endpoints[0].options
+    assert abs(opts["prefill_tok_per_ms"] - TRUE["prefill_tok_per_ms"]) <= 3.1
+
+
+SHORT = """
+[profiles.calibrate_short]
+pacing = "closed"
+cache = "warm"
+drain_s = 5
+stages = [
+  { workload = "calib_prefill", users = 1, duration_s = 20, requests = 12 },
+  { workload = "calib_cached", users = 1, duration_s = 20, requests = 8 },
+  { workload = "calib_decode", users = 2, duration_s = 3 },
+  { workload = "calib_decode", users = 8, duration_s = 3 },
+]
+"""
+
+
+def test_real_calibrate_run_recovers_prefill_rate_and_kv_capacity(tmp_path):
+    """The calibration stages (shortened: four of them, about 40 s on a busy 2-core host)
+    against a built-in endpoint with options the fit is not told, then kvbench calibrate."""
+    hidden = "prefill_tok_per_ms = 30.0, kv_capacity_tokens = 100000, max_num_seqs = 12, " \
+             "step_token_budget = 3072"
+    text = (ROOT / "bench.toml").read_text().replace(
+        "options = { replicas = 1 }", "options = { replicas = 1, " + hidden + " }")
+    text = text.replace('results_dir = "results"', f'results_dir = "{tmp_path / "results"}"')
+    (tmp_path / "bench.toml").write_text(text + SHORT)
+    kv = [sys.executable, "-m", "kvbench"]
+    subprocess.run(kv + ["run", "--config", str(tmp_path / "bench.toml"), "--profile",
+                         "calibrate_short", "--endpoint", "colocated", "--run-id", "cal"],
+                   cwd=tmp_path, check=True, timeout=600, capture_output=True)
+    out = subprocess.run(kv + ["calibrate", str(tmp_path / "results" / "cal"), "--endpoint",
+                               "colocated", "-o", str(tmp_path / "twin.toml")],
+                         cwd=tmp_path, check=True, timeout=120, capture_output=True, text=True)
+    assert "prefill_tok_per_ms" in out.stdout
+    # the stages this short run left out are named, with the stage that would supply them
+    assert "calib_mixed" in out.stdout  # the step token budget
+    tw = tomllib.loads((tmp_path / "twin.toml").read_text())["twin"]["fit"]
+    # modelled quantities: the fitted rate within 10% of the hidden 30 tokens/ms (and the
+    # front end's 2 us per prompt token apart from it), the capacity read from the metrics
+    assert abs(tw["prefill_tok_per_ms"]["value"] - 30.0) <= 3.0
+    assert tw["prefill_tok_per_ms"]["status"] == "fit"
+    assert tw["kv_capacity_tokens"]["status"] == "metrics"
+    assert tw["kv_capacity_tokens"]["value"] == 100000
+    shutil.rmtree(tmp_path / "results", ignore_errors=True)
+
+
+def test_calibrate_profile_stages_name_their_workloads():
+    from kvbench.config import load_config, parse_config
+    from kvbench.runs import matrix
+
+    cfg = load_config(ROOT / "bench.toml")
+    prof = cfg.profiles["calibrate"]
+    assert prof.stage_workloads()[0] == "calib_prefill"
+    sel = matrix.select(cfg, profile="calibrate", endpoints=["colocated"])
+    ep = sel.endpoints[0]
+    jobs = matrix.jobs(cfg, sel, [(ep, "http://127.0.0.1:1", "m", 131072)], run_id="r",
+                       results_dir="/tmp")
+    assert [j.workload for j in jobs] == prof.stage_workloads()  # once, in stage order
+    assert [j.stage_index for j in jobs] == list(range(len(prof.stages)))
+    bad = {"endpoints": [{"name": "e", "kind": "openai", "url": "http://127.0.0.1:1"}],
+           "workloads": {"chat": {"kind": "chat"}},
+           "profiles": {"p": {"stages": [{"users": 1, "duration_s": 1, "workload": "chat"},
+                                         {"users": 1, "duration_s": 1}]}}}
+    with pytest.raises(Exception, match="give every stage"):
+        parse_config(bad)
+    bad["profiles"]["p"]["stages"][1]["workload"] = "nope"
+    with pytest.raises(Exception, match="nope"):
+        parse_config(bad)
