@@ -78,26 +78,18 @@ def parse_answer(body: bytes) -> dict:
     except JSONDecodeError:
         out["error"] = f"unparseable answer: {body[:80].decode('utf-8', 'replace')}"
         return out
-    if type(obj) is not dict:
-        out["error"] = "the answer is not a JSON object"
-        return out
-    if "error" in obj or obj.get("object") == "error":
-        out["error"] = _error_text(obj)
+    if type(obj) is not dict or "error" in obj or obj.get("object") == "error":
+        out["error"] = _error_text(obj) if type(obj) is dict else "the answer is not an object"
         return out
     try:
-        choices = obj.get("choices")
-        if not choices:
+        if not obj.get("choices"):
             out["error"] = "the answer has no choices"
             return out
-        c = choices[0]
+        c = obj["choices"][0]
         msg = c.get("message")
-        if msg is not None:
-            text = msg.get("content") or ""
-            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-            if reasoning:
-                text = reasoning + text
-        else:
-            text = c.get("text") or ""
+        text = c.get("text") or "" if msg is None else (
+            (msg.get("reasoning_content") or msg.get("reasoning") or "")
+            + (msg.get("content") or ""))
         out["text"] = text if type(text) is str else str(text)
         usage = obj.get("usage") or {}
         for key in ("prompt_tokens", "completion_tokens"):
