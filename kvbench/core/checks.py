@@ -138,7 +138,7 @@ def chunk_problems(offsets: pa.Array | pa.ChunkedArray, status=None, ttft=None) 
             no_ttft = pc.is_null(ttft).to_numpy(zero_copy_only=False)
             n = int((streamed & ok & no_ttft).sum())
             if n:
-                out[("ttft_ns", "null on an ok streamed answer that has tokens")] = n
+                out[("ttft_ns", "null on an ok streamed request")] = n
     return out
 
 
