@@ -351,3 +351,43 @@ def test_cache_aware_router_pins_a_session_to_its_first_replica():
     assert all(router.pick(seq(i), session="S")[0] is first for i in range(1, 6))
     assert router.pick(seq(9))[0] is not first  # no session: the policy as before
     assert router.pick(seq(9), session="T")[0] is not first  # a new session: routed, pinned
+
+
+# --------------------------------------------------------------------------- the options
+
+def test_replay_options_travel_from_the_profile_to_the_job_file(tmp_path):
+    from kvbench.config import parse_config
+    from kvbench.core.errors import UserError
+    from kvbench.runs.job import Job, resolve
+
+    data = {"endpoints": [{"name": "e", "kind": "openai", "url": "http://127.0.0.1:9",
+                           "model": "m"}],
+            "workloads": {"chat": {"kind": "chat"}},
+            "profiles": {"agents": {"pacing": "closed", "stages": [{"users": 2,
+                                                                   "duration_s": 5}],
+                                    "replay": "timestamps", "time_scale": 0.1,
+                                    "session_header": "X-Agent-Session",
+                                    "session_user": True}}}
+    job = resolve(parse_config(data), workload="chat", endpoint="e", profile="agents",
+                  results_dir=tmp_path)
+    assert (job.replay, job.time_scale, job.session_header, job.session_user) == (
+        "timestamps", 0.1, "X-Agent-Session", True)
+    again = Job.load(job.save(tmp_path / "job.json"))
+    assert (again.replay, again.time_scale, again.session_header) == (
+        "timestamps", 0.1, "X-Agent-Session")
+    # an older job file (none of the fields): the defaults
+    old = {k: v for k, v in job.to_dict().items()
+           if k not in ("replay", "time_scale", "session_header", "session_user")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    legacy = Job.load(tmp_path / "old.json")
+    assert (legacy.replay, legacy.time_scale, legacy.session_header) == (
+        "think", 1.0, "X-Session-ID")
+    # command-line options win over the profile
+    job = resolve(parse_config(data), workload="chat", endpoint="e", profile="agents",
+                  replay="api_scaled", time_scale=3.0, session_header="",
+                  results_dir=tmp_path)
+    assert (job.replay, job.time_scale, job.session_header) == ("api_scaled", 3.0, "")
+    for bad in ({"replay": "wall"}, {"time_scale": 0}, {"session_header": "X Session"}):
+        prof = {**data["profiles"]["agents"], **bad}
+        with pytest.raises(UserError, match=next(iter(bad))):
+            parse_config({**data, "profiles": {"agents": prof}})
