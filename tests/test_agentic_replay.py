@@ -96,8 +96,15 @@ def locust(url: str, results: Path, workload: str, n: int, *extra, env=None):
 # --------------------------------------------------------------------------- end to end
 
 def test_spawned_subagents_overlap_and_the_parent_waits_for_all(endpoint, tmp_path):
-    rows = locust(endpoint.url, tmp_path, "spawn", 8)
-    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}
+    rows = locust(endpoint.url, tmp_path, "spawn", 16)  # the session twice
+    assert len(rows) == 16 and {r["status"] for r in rows} == {"ok"}
+    # the second pass: every id renamed with its pass, the sub-agents' parent too
+    again = [r for r in rows if r["session_id"].endswith("#1")]
+    assert len(again) == 8
+    assert {(r["session_id"], r["parent_session_id"], r["subagent_index"]) for r in again
+            if r["parent_session_id"]} == {(f"p-sub{i}#1", "p#1", i) for i in range(3)}
+    log = [e for e in endpoint.log if not e[0].endswith("#1")]
+    rows = [r for r in rows if not r["session_id"].endswith("#1")]
     subs = [r for r in rows if r["parent_session_id"]]
     assert len(subs) == 6
     assert {(r["session_id"], r["parent_session_id"], r["subagent_index"]) for r in subs} == {
@@ -122,8 +129,8 @@ def test_spawned_subagents_overlap_and_the_parent_waits_for_all(endpoint, tmp_pa
 
     # every request carried its session's id as the header, and the pin kept each session
     # on one replica of four (round-robin would have moved every next request)
-    by_id = {r["request_id"]: r for r in rows}
-    assert len(endpoint.log) == 8
+    by_id = {r["request_id"]: r for r in rows + again}
+    assert len(endpoint.log) == 16 and len(log) == 8
     for rid, sid, body in endpoint.log:
         assert sid == by_id[rid]["session_id"]
         assert body["min_tokens"] == A.MAX_TOKENS and "user" not in body

@@ -36,6 +36,7 @@ from kvbench.loadgen.plan.sessions import SessionDriver
 from kvbench.loadgen.timing.sink import COLUMNS, RecordSink
 from kvbench.loadgen.timing.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
+from kvbench.workloads.base import Spawn
 from kvbench.workloads.tokenizer import get_tokenizer
 
 log = logging.getLogger("kvbench.loadgen")
@@ -496,8 +497,11 @@ class _Renamed:
         req = self._s.next_request()
         if req is None:
             return None
+        if isinstance(req, Spawn):  # its sub-agents are renamed alike
+            return Spawn(tuple(_Renamed(s, self._n) for s in req.sessions), req.think_time_s)
+        parent = req.parent_session_id and f"{req.parent_session_id}#{self._n}"
         return replace(req, request_id=f"{req.request_id}#{self._n}",
-                       session_id=self.session_id)
+                       session_id=self.session_id, parent_session_id=parent)
 
     def feed_response(self, text: str) -> None:
         self._s.feed_response(text)
