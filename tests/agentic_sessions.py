@@ -80,3 +80,43 @@ def spawn() -> ListWorkload:
 
 def timestamps() -> ListWorkload:
     return ListWorkload(timestamp_sessions)
+
+
+# --------------------------------------------------------------------------- a logged endpoint
+
+def serve_logged(options_json: str, log_path: str) -> None:
+    """The built-in endpoint on 127.0.0.1 (port 0) whose middleware appends every generation
+    request's X-Request-Id, X-Session-ID and JSON body to ``log_path`` (JSON lines): the
+    endpoint's request log. Prints ``listening on URL``; runs until killed."""
+    import asyncio
+    import json
+
+    from aiohttp import web
+
+    from kvbench.endpoints.config import EmulatorConfig
+    from kvbench.endpoints.server import EmulatorServer
+
+    log = open(log_path, "a", buffering=1)
+
+    @web.middleware
+    async def logged(request, handler):
+        if request.path.startswith("/v1/") and request.method == "POST":
+            body = json.loads(await request.read())
+            log.write(json.dumps([request.headers.get("X-Request-Id"),
+                                  request.headers.get("X-Session-ID"), body]) + "\n")
+        return await handler(request)
+
+    async def main():
+        srv = EmulatorServer(EmulatorConfig(**json.loads(options_json)))
+        srv.app.middlewares.append(logged)
+        await srv.start()
+        print(f"listening on {srv.url}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve_logged(sys.argv[1], sys.argv[2])

@@ -1,31 +1,26 @@
 """The agentic replay's session driver, session affinity and records (issue 36), with hand-built
 sessions (tests/agentic_sessions.py), never the trace reader.
 
-End to end: a real Locust subprocess replays the sessions against the built-in endpoint, which
-runs in a thread of this process with a middleware logging every request's headers (the
-endpoint's request log). Times asserted are the records' own (t_sent, e2e, t_scheduled) and the
+End to end: a real Locust subprocess replays the sessions against the built-in endpoint, run
+in a subprocess with a middleware logging every request's headers (the endpoint's request
+log). Times asserted are the records' own (t_sent, e2e, t_scheduled) and the
 endpoint's modelled service times, never this host's wall-clock margins."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from aiohttp import web
 
 from kvbench.core.checks import check_requests, scalar_problems
 from kvbench.core.errors import DataError
 from kvbench.core.store import read_table
-from kvbench.endpoints.config import EmulatorConfig
 from kvbench.endpoints.router import Router
 from kvbench.endpoints.seq import Seq
-from kvbench.endpoints.server import EmulatorServer
 from kvbench.loadgen.plan.sessions import SessionDriver
 from kvbench.loadgen.timing.openai import parse_answer, request_body
 from kvbench.workloads.base import Request, Spawn
@@ -39,41 +34,39 @@ HEADER = "X-Session-ID"
 # --------------------------------------------------------------------------- the endpoint
 
 class LoggedEndpoint:
-    """The built-in endpoint on 127.0.0.1 in a thread of its own event loop; ``log`` holds
-    (X-Request-Id, X-Session-ID or None, body JSON) of every generation request."""
+    """The built-in endpoint on 127.0.0.1 in a subprocess whose middleware logs every
+    generation request (``agentic_sessions.serve_logged``); ``log``: (X-Request-Id,
+    X-Session-ID or None, body JSON) of each, as the endpoint received them."""
 
-    def __init__(self, **options) -> None:
-        self.log: list[tuple[str | None, str | None, dict]] = []
-        self.srv = EmulatorServer(EmulatorConfig(**options))
-        self.srv.app.middlewares.append(self._mw)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.srv.start(), self.loop).result(30)
-
-    @web.middleware
-    async def _mw(self, request, handler):
-        if request.path.startswith("/v1/") and request.method == "POST":
-            body = json.loads(await request.read())
-            self.log.append((request.headers.get("X-Request-Id"), request.headers.get(HEADER),
-                             body))
-        return await handler(request)
+    def __init__(self, log_path: Path, **options) -> None:
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("agentic_sessions.py")),
+             json.dumps(options), str(log_path)], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"the endpoint did not start: {line}{self.proc.stderr.read()}")
+        self.url = line.split("listening on", 1)[1].strip()
 
     @property
-    def url(self) -> str:
-        return self.srv.url
+    def log(self) -> list:
+        if not self.log_path.exists():
+            return []
+        return [tuple(json.loads(ln)) for ln in self.log_path.read_text().splitlines()]
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.srv.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
 
 
 @pytest.fixture
-def endpoint():
+def endpoint(tmp_path):
     # 4 replicas behind round-robin: only the pin keeps a session's requests together
-    ep = LoggedEndpoint(topology="routed", regions=1, replicas_per_region=4,
+    ep = LoggedEndpoint(tmp_path / "requests.log", topology="routed", regions=1, replicas_per_region=4,
                         router="ROUND_ROBIN", pin_header=HEADER, time_scale=0.1)
     yield ep
     ep.close()
