@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvbench.core.checks import check_requests, scalar_problems
 from kvbench.core.errors import DataError
@@ -391,3 +392,66 @@ def test_replay_options_travel_from_the_profile_to_the_job_file(tmp_path):
         prof = {**data["profiles"]["agents"], **bad}
         with pytest.raises(UserError, match=next(iter(bad))):
             parse_config({**data, "profiles": {"agents": prof}})
+
+
+# --------------------------------------------------------------------------- in virtual time
+
+class _Virtual:
+    """A clock and a stop event in virtual ns: waiting advances the clock (never stops)."""
+
+    def __init__(self) -> None:
+        self.now = 10**18
+
+    def clock(self) -> int:
+        return self.now
+
+    def is_set(self) -> bool:
+        return False
+
+    def wait(self, s: float) -> bool:
+        self.now += int(s * 1e9)
+        return False
+
+
+_turn = st.tuples(st.floats(0, 5), st.floats(0, 5), st.floats(0, 5) | st.none(),
+                  st.integers(1, 5_000_000_000))  # think, offset step, api, service ns
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(_turn, min_size=1, max_size=8), replay=st.sampled_from(
+    ("think", "timestamps", "api_scaled")), scale=st.sampled_from((0.1, 0.5, 1.0, 3.0)))
+def test_each_strategy_sends_when_it_says(turns, replay, scale):
+    """In virtual time: ``think`` sends think x scale after the previous answer (t_scheduled
+    left to the send); ``timestamps`` at the start + offset x scale or at the previous answer,
+    whichever is later, t_scheduled the former; ``api_scaled`` at the previous send + (api +
+    think) x scale or at the previous answer, whichever is later."""
+    v = _Virtual()
+    offsets, reqs, acc = [], [], 0.0
+    for k, (think, step, api, _) in enumerate(turns):
+        acc += step
+        offsets.append(acc if k else 0.0)
+        reqs.append(A._req("v", k, think=think, api=api, offset=offsets[-1]))
+    sent = []
+
+    def send(req, t_sched):
+        sent.append((t_sched, v.now))
+        v.now += turns[req.turn][3]
+        return _Res(sent[-1][1])
+
+    t0 = v.now
+    SessionDriver(send, v, replay=replay, time_scale=scale, clock=v.clock).run(
+        A.ListSession("v", reqs))
+    assert len(sent) == len(turns)
+    for k, (t_sched, t_sent) in enumerate(sent):
+        think, _, api, _ = turns[k]
+        prev_end = sent[k - 1][1] + turns[k - 1][3] if k else t0
+        if replay == "timestamps":
+            due = t0 + int(offsets[k] * scale * 1e9)
+            assert t_sched == due and abs(t_sent - max(due, prev_end)) <= 1  # (ns rounding)
+        elif replay == "api_scaled" and k and api is not None:
+            due = sent[k - 1][1] + int((api + think) * scale * 1e9)
+            assert t_sched == due and abs(t_sent - max(due, prev_end)) <= 1  # (ns rounding)
+        else:
+            assert t_sched is None
+            wait = int(think * scale * 1e9) if k and think > 0 else 0
+            assert abs(t_sent - (prev_end + wait)) <= 1  # (float seconds round trip)
