@@ -73,7 +73,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         try:
             await cluster.submit(seq, request.headers.get("x-kvbench-region"),
-                                 request.headers.get("x-kvbench-residency"))
+                                 request.headers.get("x-kvbench-residency"),
+                                 request.headers.get(cfg.pin_header) if cfg.pin_header else None)
         except RoutingError as e:
             return error_response(400, str(e), param="x-kvbench-region")
         await wait(seq, lambda: seq.generated > 0 or seq.finished)

@@ -51,12 +51,13 @@ class Cluster:
         for e in self.engines:
             await e.stop()
 
-    async def submit(self, seq: Seq, caller: str | None, residency: str | None) -> None:
+    async def submit(self, seq: Seq, caller: str | None, residency: str | None,
+                     session: str | None = None) -> None:
         """Front end (tokenising, hashing), routing, the network, then an engine's queue.
         Raises router.RoutingError for an unknown region."""
         cfg = self.res.cfg
         scale = cfg.time_scale / 1e3
-        eng, cross = self.router.pick(seq, caller, residency)
+        eng, cross = self.router.pick(seq, caller, residency, session)
         delay_ms = seq.n_prompt * cfg.frontend_us_per_prompt_token / 1e3 \
             + self.res.offload_request_overhead_ms * self.topology.offloads_kv
         if cross:

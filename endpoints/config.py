@@ -95,6 +95,10 @@ class EmulatorConfig(_Strict):
     region_names: list[str] | None = None
     cross_region_rtt_ms: float = Field(default=pf.CROSS_REGION_RTT_MS, ge=0)
     router: Literal["ROUND_ROBIN", "REGIONAL", "GLOBAL"] = "REGIONAL"
+    # Session affinity: the request header whose value pins a session to the replica its
+    # first request was routed to (e.g. "X-Session-ID", which kvbench's load sends); "": none
+    pin_header: str = Field(default="", max_length=128,
+                            pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]*$")
     # A uniformly slower endpoint: a factor on every modelled step time (prefill, decode and
     # KV loads from lower tiers); 1.2 = 20% slower. The front end, the network and the P/D
     # link keep their times. What A/B tests of the gate and the capacity search compare.

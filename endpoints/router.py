@@ -1,11 +1,23 @@
 """Request routers over replicas in regions: ROUND_ROBIN (an ALB in the caller's region),
 REGIONAL (cache-aware on prefix hashes within the caller's region) and GLOBAL (cache-aware
-across regions, paying the cross-region round trip). A residency constraint always wins."""
+across regions, paying the cross-region round trip). A residency constraint always wins.
+
+Session affinity: a request that names its session (the emulator's ``pin_header``, e.g.
+``X-Session-ID``) goes to the replica its session's first request went to, as long as that
+replica is in a region the request may use; the first request of a session is routed by the
+policy (cache-aware or round-robin) and pins the session. What a real router's sticky sessions
+do: a session's growing context stays on the replica that holds its KV blocks even when a
+cache-aware estimate would move it (a long session's blocks are spread out by then)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvbench.endpoints.engine import Engine
 from kvbench.endpoints.seq import Seq
+
+
+MAX_PINNED = 100_000  # sessions remembered (the least recently used forgotten first)
 
 
 class RoutingError(Exception):
@@ -21,6 +33,8 @@ class Router:
         self.rate = prefill_tok_per_ms
         self.bt = block_tokens
         self._rr = {name: 0 for name in regions}
+        # session -> (region, engine), least recently used first, at most MAX_PINNED
+        self._pinned: OrderedDict[str, tuple[str, Engine]] = OrderedDict()
         self.default_region = next(iter(regions))
 
     def region_of(self, name: str | None, what: str) -> str | None:
@@ -47,9 +61,31 @@ class Router:
         todo = seq.n_prompt - self.cached_tokens(eng, seq)
         return (self.rtt_ms if cross else 0.0) + eng.load_ms() + todo / self.rate
 
-    def pick(self, seq: Seq, caller: str | None = None,
-             residency: str | None = None) -> tuple[Engine, bool]:
-        """The engine to serve ``seq`` and whether it is in another region than the caller."""
+    def pick(self, seq: Seq, caller: str | None = None, residency: str | None = None,
+             session: str | None = None) -> tuple[Engine, bool]:
+        """The engine to serve ``seq`` and whether it is in another region than the caller;
+        ``session``: pin the session to the replica it was first routed to."""
+        if not session:
+            return self._pick(seq, caller, residency)
+        caller_reg = self.region_of(caller, "x-kvbench-region") or self.default_region
+        allowed_res = self.region_of(residency, "x-kvbench-residency")
+        pinned = self._pinned.get(session)
+        if pinned is not None:
+            reg, eng = pinned
+            allowed = ({allowed_res} if allowed_res is not None else set(self.regions)
+                       if self.strategy == "GLOBAL" else {caller_reg})
+            if reg in allowed:
+                self._pinned.move_to_end(session)
+                return eng, reg != caller_reg
+        eng, cross = self._pick(seq, caller, residency)
+        self._pinned[session] = (eng.region, eng)
+        self._pinned.move_to_end(session)
+        if len(self._pinned) > MAX_PINNED:
+            self._pinned.popitem(last=False)
+        return eng, cross
+
+    def _pick(self, seq: Seq, caller: str | None = None,
+              residency: str | None = None) -> tuple[Engine, bool]:
         caller = self.region_of(caller, "x-kvbench-region") or self.default_region
         residency = self.region_of(residency, "x-kvbench-residency")
         if residency is not None:

@@ -1,4 +1,5 @@
-"""The Locust User behind every locustfile. Closed loop: each user runs one session at a time.
+"""The Locust User behind every locustfile. Closed loop: each user runs one session at a time
+(``plan.sessions``: think times, sub-agents run concurrently within the user).
 Open loop: the process's first user runs the dispatcher. At the stage's end (Locust stopping
 the users) nothing new starts; what is in flight drains for up to the drain bound."""
 
@@ -40,6 +41,7 @@ class KVBenchUser(User):
             self.llm = self.ctx.new_client()
             if self.ctx.warm and not self.ctx.adopt_warm(self.llm.pool):
                 self.llm.pool.warm(1)
+            self.driver = self.ctx.session_driver(self._send, self.ctx.stopping)
 
     @task
     def drive(self) -> None:
@@ -59,15 +61,10 @@ class KVBenchUser(User):
         if session is None:
             ctx.stopping.wait(1.0)
             return
-        while not ctx.stopping.is_set():
-            req = session.next_request()
-            if req is None:
-                return
-            if req.think_time_s > 0 and req.turn > 0 and ctx.stopping.wait(req.think_time_s):
-                return
-            if not ctx.claim():  # the stage's (or run's) request count was sent
-                return
-            res = ctx.send(self.llm, req, None, self.stage, keep_text=True)
-            if res.status != "ok":
-                return  # a broken session cannot build its next turn on a failed response
-            session.feed_response(res.text)
+        self.driver.run(session)
+
+    def _send(self, req, t_scheduled_ns):
+        """One request of a session (sub-agents' included); None once no more may go."""
+        if not self.ctx.claim():  # the stage's (or run's) request count was sent
+            return None
+        return self.ctx.send(self.llm, req, t_scheduled_ns, self.stage, keep_text=True)

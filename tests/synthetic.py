@@ -162,6 +162,9 @@ def _rows(rng, shape: RunShape, ep: EndpointShape, ei: int, si: int, t_sched: np
         "server_region": pa.array(region, pa.string()),
         "retry_after_s": pa.nulls(n, pa.float64()),
         "server_request_id": pa.nulls(n, pa.string()),
+        "streamed": pa.nulls(n, pa.bool_()),
+        "parent_session_id": pa.nulls(n, pa.string()),
+        "subagent_index": pa.nulls(n, pa.int32()),
     }
     return pa.table(cols, schema=REQUESTS)
 

@@ -224,7 +224,7 @@ def test_answers_ending_together_do_not_stall_the_loop_in_one_pass(server, tmp_p
         def __init__(self, sock):
             self.sock = sock
 
-        def post_stream(self, path, body, *, keep_text, res, request_id, max_tokens):
+        def post_stream(self, path, body, *, keep_text, res, request_id, max_tokens, **_):
             self.sock.recv(1)  # the answer's last bytes
             res.status, res.t_sent_ns, res.e2e_ns, res.ttft_ns = "ok", time.time_ns(), 1, 1
 

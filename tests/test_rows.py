@@ -34,6 +34,8 @@ def _values(typ: pa.DataType):
         return st.integers(lo, hi) | st.sampled_from([lo, hi, 0])  # big ints at the edges
     if pa.types.is_floating(typ):
         return st.floats(allow_nan=False)
+    if pa.types.is_boolean(typ):
+        return st.booleans()
     return st.text(max_size=12)  # unicode, surrogates excluded by hypothesis' text
 
 

@@ -122,6 +122,18 @@ class LoadProfile(Strict):
     # ``cancelled`` and kept out of error rate and latency.
     drain_s: float = Field(default=30.0, ge=0, le=3600)
     cache: CacheMode | None = None  # None: suite.cache
+    # Closed-loop sessions (issue 36): when each request of a session goes. "think": the
+    # recorded think time after the previous answer; "timestamps": at the session's start plus
+    # the recorded send time (late ones at once, their lateness recorded); "api_scaled": the
+    # recorded gap (the previous answer's server time plus the think time) from the previous
+    # send. ``time_scale`` multiplies every recorded time (0.1: ten times faster).
+    replay: Literal["think", "timestamps", "api_scaled"] = "think"
+    time_scale: float = Field(default=1.0, gt=0, le=1000)
+    # Session affinity: the header carrying each request's session id ("": none sent), and
+    # whether the body's ``user`` field carries it too (what real routers pin on)
+    session_header: str = Field(default="X-Session-ID", max_length=128,
+                                pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]*$")
+    session_user: bool = False
 
     @model_validator(mode="after")
     def _stages(self):

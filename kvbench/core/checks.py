@@ -10,8 +10,12 @@ the report) call ``check_requests`` on each run's records, and the report's chun
 loop over rows).
 
 What is *not* a problem: a null TTFT on a request that carried no token-carrying chunk (an
-``ok`` answer of zero tokens, a failed request), and a request id that repeats on another
-worker (each load process numbers its own requests, with a ``#pass`` suffix).
+``ok`` answer of zero tokens, a failed request), or on one sent without streaming (``streamed``
+false: a trace's non-streaming request, whose answer is one JSON body with no first token to
+time), and a request id that repeats on another worker (each load process numbers its own
+requests, with a ``#pass`` suffix). A TTFT or chunks on a request sent without streaming, and an
+``ok`` streamed answer of tokens without a TTFT, are problems (``streamed`` null, in runs written
+before the column, is left to the chunk check).
 """
 
 from __future__ import annotations
@@ -56,10 +60,39 @@ def scalar_problems(t: pa.Table | pa.RecordBatch) -> Problems:
         n = _count(pc.less(t.column("e2e_ns"), t.column("ttft_ns")))
         if n:
             out[("e2e_ns", "shorter than its ttft_ns")] = n
+    if _has(t, "streamed"):
+        out.update(_stream_problems(t))
     if _has(t, "request_id") and _has(t, "worker") and t.num_rows > 1:
         n = _duplicates(t)
         if n:
             out[("request_id", "repeated on the same worker")] = n
+    return out
+
+
+def _stream_problems(t) -> Problems:
+    """What ``streamed`` rules out: a TTFT (or chunks) on a request sent without streaming,
+    and no TTFT on an ``ok`` streamed answer whose server counted tokens."""
+    out: Problems = {}
+    streamed = t.column("streamed")
+    if streamed.null_count == len(streamed):
+        return out
+    plain = pc.fill_null(pc.invert(streamed), False)
+    if _has(t, "ttft_ns"):
+        n = _count(pc.and_(plain, pc.is_valid(t.column("ttft_ns"))))
+        if n:
+            out[("ttft_ns", "set on a request sent without streaming")] = n
+    if _has(t, "chunk_offsets_ns"):
+        chunks = pc.fill_null(pc.list_value_length(t.column("chunk_offsets_ns")), 0)
+        n = _count(pc.and_(plain, pc.greater(chunks, 0)))
+        if n:
+            out[("chunk_offsets_ns", "set on a request sent without streaming")] = n
+    if _has(t, "ttft_ns") and _has(t, "status") and _has(t, "completion_tokens"):
+        ok = pc.fill_null(pc.equal(t.column("status"), "ok"), False)
+        tokens = pc.fill_null(pc.greater(t.column("completion_tokens"), 0), False)
+        n = _count(pc.and_(pc.and_(pc.fill_null(streamed, False), ok),
+                           pc.and_(tokens, pc.is_null(t.column("ttft_ns")))))
+        if n:
+            out[("ttft_ns", "null on an ok streamed answer that has tokens")] = n
     return out
 
 

@@ -46,7 +46,8 @@ REQUEST_COLUMNS = (
     "cached_tokens", "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "chunk_offsets_ns",
     "chunk_tokens", "e2e_ns", "status", "http_status", "error", "server_queue_ns",
     "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns", "server_replica",
-    "server_region", "retry_after_s", "server_request_id")
+    "server_region", "retry_after_s", "server_request_id", "streamed", "parent_session_id",
+    "subagent_index")
 
 # A request's start, written as it is sent (``starts-<host>-<pid>.rows``): the columns of
 # REQUESTS known before the response. ``store.compact`` turns a start with no record into a

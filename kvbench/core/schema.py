@@ -70,6 +70,14 @@ REQUESTS = pa.schema([
     # the request id the server answered with (X-Request-Id); the client sends the record's
     # request_id as X-Request-Id, so records join the server's logs and traces
     ("server_request_id", pa.string()),
+    # agentic replay (issue 36): False when the request was sent without streaming (its answer
+    # one JSON body: no chunks and no TTFT by design); null in runs written before it, which
+    # streamed every request. The session that spawned this one ("" for a top-level session)
+    # and the sub-agent's index among its siblings (-1 for a top-level session). Columns are
+    # only ever added at the end: a file without them reads them as nulls (``core.shards``).
+    ("streamed", pa.bool_()),
+    ("parent_session_id", pa.string()),
+    ("subagent_index", pa.int32()),
 ])
 
 GPU = pa.schema([

@@ -74,6 +74,14 @@ class Job:
     drain_s: float = DRAIN_S  # at a stage's end, how long requests in flight may finish
     warm_connections: bool = True
     ignore_eos: bool = False
+    # closed-loop sessions (loadgen.plan.sessions): when each request goes ("think",
+    # "timestamps", "api_scaled") and the factor on every recorded time
+    replay: str = "think"
+    time_scale: float = 1.0
+    # the header every request of a session carries (its session id; "": none), and whether
+    # the body's ``user`` field carries it too (routers pin sessions on either)
+    session_header: str = "X-Session-ID"
+    session_user: bool = False
     cache: str = "as-is"  # the prefix-cache state kvbench run starts the job from (runs.cache)
     slo: dict[str, SLO] = field(default_factory=dict)  # by request class
     run_id: str = ""
@@ -278,7 +286,9 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
             duration_scale: float = 1.0, gamma_cv: float | None = None,
             max_in_flight: int | None = None, timeout_s: float | None = None,
             cold_connections: bool = False, ignore_eos: bool = False, run_id: str = "",
-            max_requests: int | None = None,
+            max_requests: int | None = None, replay: str | None = None,
+            time_scale: float | None = None, session_header: str | None = None,
+            session_user: bool = False,
             results_dir: str | Path = "results", lookup_model: bool = True,
             where: str = "the config") -> Job:
     """The job of ``workload`` on ``endpoint`` under ``profile`` of ``cfg`` (None: the
@@ -345,6 +355,11 @@ def resolve(cfg, *, workload: str, endpoint: str | None = None, url: str | None 
         timeout_s=timeout_s or (prof.request_timeout_s if prof else 600.0),
         drain_s=prof.drain_s if prof is not None else DRAIN_S,
         warm_connections=warm, ignore_eos=ignore_eos,
+        replay=replay or (prof.replay if prof else "think"),
+        time_scale=time_scale or (prof.time_scale if prof else 1.0),
+        session_header=(session_header if session_header is not None else
+                        (prof.session_header if prof else "X-Session-ID")),
+        session_user=session_user or (prof.session_user if prof else False),
         cache=(getattr(prof, "cache", None) or (cfg.suite.cache if cfg is not None else None)
                or "as-is"),
         slo=slo_map({k: v.model_dump(mode="json")

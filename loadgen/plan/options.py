@@ -13,6 +13,7 @@ from locust import events
 from kvbench.core.errors import UserError
 from kvbench.core.rows import new_run_id
 from kvbench.loadgen.plan.pacing import PACINGS
+from kvbench.loadgen.plan.sessions import REPLAYS
 from kvbench.core.contract import StagePlan
 from kvbench.runs.job import FOREVER_S, Job, resolve
 
@@ -71,6 +72,20 @@ def add_arguments(parser) -> None:
                    help="a new connection per request (its setup recorded in connect_ns)")
     g.add_argument("--kvbench-ignore-eos", env_var="KVBENCH_IGNORE_EOS", action="store_true",
                    default=False, help="send ignore_eos (vLLM/SGLang) to get max_tokens exactly")
+    g.add_argument("--kvbench-replay", env_var="KVBENCH_REPLAY", default="",
+                   choices=("",) + REPLAYS,
+                   help="closed loop: when a session's next request goes: think (recorded "
+                        "think time after the answer), timestamps (recorded send times), "
+                        "api_scaled (recorded server time plus think time from the last send)")
+    g.add_argument("--kvbench-time-scale", env_var="KVBENCH_TIME_SCALE", type=float,
+                   default=0.0, help="factor on every recorded time of a replay (0.1: ten "
+                                     "times faster; default 1)")
+    g.add_argument("--kvbench-session-header", env_var="KVBENCH_SESSION_HEADER", default=None,
+                   help="header carrying each request's session id (default X-Session-ID; "
+                        "'' sends none)")
+    g.add_argument("--kvbench-session-user", env_var="KVBENCH_SESSION_USER",
+                   action="store_true", default=False,
+                   help="also send the session id as the body's user field")
     g.add_argument("--kvbench-stop-after-failures", env_var="KVBENCH_STOP_AFTER_FAILURES",
                    type=int, default=STOP_AFTER_FAILURES,
                    help="stop the run after this many requests in a row failed in a way load "
@@ -115,6 +130,20 @@ def _count(n: int) -> int | None:
         raise UserError(f"--kvbench-requests {n}: give a positive count of requests (0: no "
                         "limit)")
     return n or None
+
+
+def _scale(x: float) -> float | None:
+    if x < 0 or x > 1000:
+        raise UserError(f"--kvbench-time-scale {x:g}: give a factor above 0 and at most 1000 "
+                        "(0.1 replays ten times faster)")
+    return x or None
+
+
+def _header_name(name: str | None) -> str | None:
+    if name and not all(c.isalnum() or c in "!#$%&'*+.^_`|~-" for c in name):
+        raise UserError(f"--kvbench-session-header {name!r}: not a header name; use letters, "
+                        "digits and dashes (e.g. X-Session-ID), or '' for none")
+    return name
 
 
 def config_path(o) -> str:
@@ -244,6 +273,9 @@ def job_from_options(o, host: str | None, default_workload: str, *,
         gamma_cv=o.kvbench_gamma_cv or None, max_in_flight=o.kvbench_max_in_flight or None,
         timeout_s=o.kvbench_timeout or None, cold_connections=o.kvbench_cold_connections,
         ignore_eos=o.kvbench_ignore_eos, run_id=o.kvbench_run_id,
-        max_requests=_count(o.kvbench_requests),
+        max_requests=_count(o.kvbench_requests), replay=o.kvbench_replay or None,
+        time_scale=_scale(o.kvbench_time_scale),
+        session_header=_header_name(o.kvbench_session_header),
+        session_user=o.kvbench_session_user,
         results_dir=o.kvbench_results, lookup_model=lookup_model,
         where=config_path(o) or "the config")

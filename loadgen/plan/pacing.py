@@ -425,21 +425,25 @@ class ClosedLoopStages(_Draining):
         if u.retired or self.stopped.is_set():
             return None
         u.sending = self.stage
+        u.turns += 1
         self.in_flight += 1
         return u.sending
 
     def turn_done(self, u: "ClosedUser") -> None:
         self.in_flight -= 1
-        u.sending = None
+        u.turns -= 1
+        if u.turns <= 0:  # (a user's sub-agents send several at once)
+            u.sending = None
 
 
 class ClosedUser:
     """One user of ``ClosedLoopStages``: its greenlet, whether it is retired, and the stage of
     the request it has in flight (None: none)."""
 
-    __slots__ = ("greenlet", "retired", "sending")
+    __slots__ = ("greenlet", "retired", "sending", "turns")
 
     def __init__(self) -> None:
         self.greenlet = None
         self.retired = False
         self.sending: int | None = None
+        self.turns = 0  # requests in flight

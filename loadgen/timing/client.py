@@ -22,7 +22,8 @@ import gevent
 from gevent import socket as gsocket
 from gevent.hub import get_hub
 
-from kvbench.loadgen.timing.openai import StreamState, error_message, stream_caps
+from kvbench.loadgen.timing.result import Result  # noqa: F401 - importers take it from here
+from kvbench.loadgen.timing.openai import StreamState, error_message, settle_answer, stream_caps
 from kvbench.loadgen.timing.sse import MAX_LINE_BYTES, SSEParser
 
 log = logging.getLogger("kvbench.loadgen")
@@ -247,43 +248,6 @@ class ConnectionPool:
             self.idle.pop().close()
 
 
-class Result:
-    """One request's outcome, in record units (ns offsets from ``t_sent_ns``)."""
-
-    __slots__ = ("t_sent_ns", "t_sent_mono_ns", "connect_ns", "ttft_ns", "offsets_ns", "tokens", "e2e_ns",
-                 "status", "http_status", "error", "prompt_tokens", "completion_tokens",
-                 "completion_tokens_client", "cached_tokens", "text", "server_queue_ns",
-                 "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-                 "server_replica", "server_region", "retry_after_s", "server_request_id",
-                 "resent")
-
-    def __init__(self) -> None:
-        self.t_sent_ns = 0
-        self.t_sent_mono_ns = 0  # perf_counter_ns at the send (CLOCK_MONOTONIC on Linux)
-        self.connect_ns = 0
-        self.ttft_ns = None
-        self.offsets_ns: list[int] = []
-        self.tokens: list[int] = []
-        self.e2e_ns = None
-        self.status = "cancelled"
-        self.http_status = None
-        self.error = None
-        self.prompt_tokens = None
-        self.completion_tokens = None
-        self.completion_tokens_client = 0
-        self.cached_tokens = None
-        self.text = ""
-        self.server_queue_ns = None
-        self.server_prefill_ns = None
-        self.server_kv_transfer_ns = None
-        self.server_first_decode_ns = None
-        self.server_replica = None
-        self.retry_after_s = None
-        self.server_region = None
-        self.server_request_id = None  # the server's X-Request-Id answer
-        self.resent = False  # sent again on a fresh connection after a stale pooled one
-
-
 class ChunkedDecoder:
     """Incremental HTTP/1.1 chunked transfer decoding (RFC 9112 section 7.1)."""
 
@@ -382,16 +346,19 @@ class StreamingClient:
 
     def post_stream(self, path: str, body: bytes, *, keep_text: bool = False,
                     headers: dict[str, str] | None = None, res: Result | None = None,
-                    request_id: str | None = None, max_tokens: int | None = None) -> Result:
+                    request_id: str | None = None, max_tokens: int | None = None,
+                    stream: bool = True) -> Result:
         """POST ``body`` to ``path`` and read the SSE response to its end (or failure);
         a stream longer than ``max_tokens`` allows (``openai.stream_caps``) is cut as a
-        ``protocol_error``.
+        ``protocol_error``. ``stream=False``: the body asked for one JSON answer, read whole
+        (no chunks, no TTFT: ``e2e_ns`` is its last byte), held to the same byte cap.
 
         Never raises for request failures (they become the result's status); re-raises
         ``GreenletExit`` after marking ``res`` (pass your own) cancelled so the caller can
         still record it.
         """
         res = Result() if res is None else res
+        res.streamed = stream
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         # so records join the server's logs (vLLM uses it as its own id); an id that cannot
         # be a header value (from a trace file: control characters, non-ASCII) is not sent
@@ -474,7 +441,7 @@ class StreamingClient:
             rwatch.stop()
             idle.close()
 
-    def _read(self, conn, res, keep_text, t0, reused, recv, wait, idle, caps):
+    def _read(self, conn, res, keep_text, t0, reused, recv, wait, idle, caps):  # noqa: C901
         """Reads and accounts for the response; ``wait`` (None for TLS) yields until the raw
         socket is readable, ``recv`` then never blocks."""
         buf = b""
@@ -541,6 +508,9 @@ class StreamingClient:
         dechunk = ChunkedDecoder() if chunked else None
         ctype = headers.get(b"content-type", b"").lower()
         streaming = status == 200 and b"text/event-stream" in ctype
+        answer = not res.streamed and status == 200 and not streaming  # one JSON body
+        if streaming:
+            res.streamed = True  # a server may stream what was asked without
         parser = SSEParser(self.max_line_bytes)
         state = StreamState(t0, keep_text, self.tokenizer, caps)
         res.offsets_ns, res.tokens = state.offsets_ns, state.tokens  # kept if it fails midway
@@ -569,6 +539,13 @@ class StreamingClient:
                             state.cut_at(got_bytes)  # the rest is not read: the link is dropped
                             complete = keep = False
                             break
+                    elif answer:
+                        if got_bytes > caps[1]:
+                            res.status, res.error = "protocol_error", f"the answer exceeded " \
+                                f"{caps[1]:,} bytes (the client's cut for {caps[2]})"
+                            complete = keep = False
+                            break
+                        errbody.append(body)
                     elif got_bytes - len(body) < ERROR_BODY_BYTES:
                         errbody.append(body)
                     else:  # a non-stream body past what its message needs: not read further
@@ -616,6 +593,10 @@ class StreamingClient:
             res.cached_tokens = state.cached_tokens
             if keep_text:
                 res.text = state.text
+        elif answer:
+            if res.error is None:  # (not cut at the byte cap)
+                settle_answer(res, b"".join(errbody) if complete else None, keep_text,
+                              self.tokenizer)
         elif status != 200:
             res.status = "http_error"
             res.error = f"HTTP {status}: {error_message(b''.join(errbody))}"[:300]

@@ -42,20 +42,89 @@ def request_path(req) -> str:
 
 
 def request_body(req, model: str, *, include_usage: bool = True, ignore_eos: bool = False,
-                 extra: dict | None = None) -> bytes:
-    """JSON body of a streaming request for ``req`` (a ``workloads.base.Request``)."""
-    body: dict = {"model": model, "max_tokens": int(req.max_tokens), "stream": True}
+                 extra: dict | None = None, user: str | None = None) -> bytes:
+    """JSON body of a request for ``req`` (a ``workloads.base.Request``): streaming unless the
+    request says ``stream=False`` (then one JSON answer, no ``stream_options``). A request's
+    ``min_tokens`` > 0 is sent as vLLM's ``min_tokens``; ``user``: the body's ``user`` field
+    (a session id that routers pin on)."""
+    stream = getattr(req, "stream", True)
+    body: dict = {"model": model, "max_tokens": int(req.max_tokens), "stream": bool(stream)}
     if req.messages is not None:
         body["messages"] = list(req.messages)
     else:
         body["prompt"] = req.prompt
-    if include_usage:
+    if include_usage and stream:
         body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM/SGLang extension: generate exactly max_tokens
+    min_tokens = getattr(req, "min_tokens", 0)
+    if min_tokens and min_tokens > 0:
+        body["min_tokens"] = int(min_tokens)  # vLLM extension: no EOS before this many tokens
+    if user:
+        body["user"] = user
     if extra:
         body.update(extra)
     return orjson.dumps(body)
+
+
+def parse_answer(body: bytes) -> dict:
+    """What a non-streamed answer (one JSON body) says: ``text``, ``prompt_tokens``,
+    ``completion_tokens``, ``cached_tokens`` (None when absent), and ``error`` (a server's
+    error object, or a body that is not an answer; None when fine)."""
+    out = {"text": "", "prompt_tokens": None, "completion_tokens": None,
+           "cached_tokens": None, "error": None}
+    try:
+        obj = _loads(body)
+    except JSONDecodeError:
+        out["error"] = f"unparseable answer: {body[:80].decode('utf-8', 'replace')}"
+        return out
+    if type(obj) is not dict or "error" in obj or obj.get("object") == "error":
+        out["error"] = _error_text(obj) if type(obj) is dict else "the answer is not an object"
+        return out
+    try:
+        if not obj.get("choices"):
+            out["error"] = "the answer has no choices"
+            return out
+        c = obj["choices"][0]
+        msg = c.get("message")
+        text = c.get("text") or "" if msg is None else (
+            (msg.get("reasoning_content") or msg.get("reasoning") or "")
+            + (msg.get("content") or ""))
+        out["text"] = text if type(text) is str else str(text)
+        usage = obj.get("usage") or {}
+        for key in ("prompt_tokens", "completion_tokens"):
+            if usage.get(key) is not None:
+                out[key] = int(usage[key])
+        details = usage.get("prompt_tokens_details")
+        if details and details.get("cached_tokens") is not None:
+            out["cached_tokens"] = int(details["cached_tokens"])
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError):
+        out["error"] = f"malformed answer: {body[:80].decode('utf-8', 'replace')}"
+    return out
+
+
+def settle_answer(res, body: bytes | None, keep_text: bool, tokenizer=None) -> None:
+    """Fill ``res`` (a ``client.Result``) from a whole non-streamed answer ``body`` (None: the
+    connection closed before it ended): usage, the text, the status. No chunks, no TTFT."""
+    if body is None:
+        res.status, res.error = "disconnected", "connection closed before the answer ended"
+        return
+    got = parse_answer(body)
+    if got["error"] is not None:
+        res.status, res.error = "protocol_error", got["error"][:300]
+        return
+    text = got["text"]
+    if tokenizer is None and text:
+        from kvbench.workloads.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    res.status = "ok"
+    res.prompt_tokens, res.cached_tokens = got["prompt_tokens"], got["cached_tokens"]
+    res.completion_tokens_client = tokenizer.count(text) if text else 0
+    res.completion_tokens = (got["completion_tokens"] if got["completion_tokens"] is not None
+                             else res.completion_tokens_client)
+    if keep_text:
+        res.text = text
 
 
 def stream_caps(max_tokens: int | None) -> tuple[int, int, str]:

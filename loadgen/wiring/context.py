@@ -32,9 +32,11 @@ from kvbench.loadgen.plan.options import STOP_AFTER_FAILURES, job_from_options
 from kvbench.loadgen.wiring import unservable
 from kvbench.loadgen.plan.pacing import (ClosedLoopStages, ClosedUser, OpenLoopDispatcher,
                                     StagePlan, cycle_requests, shard, shard_sessions, share_of)
+from kvbench.loadgen.plan.sessions import SessionDriver
 from kvbench.loadgen.timing.sink import COLUMNS, RecordSink
 from kvbench.loadgen.timing.tokcheck import for_environment as token_check
 from kvbench.runs.job import FOREVER_S, Job
+from kvbench.workloads.base import Spawn
 from kvbench.workloads.tokenizer import get_tokenizer
 
 log = logging.getLogger("kvbench.loadgen")
@@ -45,7 +47,8 @@ _ROW = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", 
         "cached_tokens", "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "chunk_offsets_ns",
         "chunk_tokens", "e2e_ns", "status", "http_status", "error", "server_queue_ns",
         "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-        "server_replica", "server_region", "retry_after_s", "server_request_id")
+        "server_replica", "server_region", "retry_after_s", "server_request_id", "streamed",
+        "parent_session_id", "subagent_index")
 assert _ROW == COLUMNS, "loadgen row order must follow kvbench.schema.REQUESTS"
 _START = ("run_id", "endpoint", "topology", "workload", "request_class", "stage", "request_id",
           "session_id", "turn", "worker", "prompt_tokens_client", "shared_prefix_tokens",
@@ -86,6 +89,8 @@ class LoadContext:
         self.timeout_s = job.timeout_s
         self.warm = job.warm_connections
         self.ignore_eos = job.ignore_eos
+        self.session_header = job.session_header  # "" : none sent
+        self.session_user = job.session_user  # the body's user field too
         self.run_id = job.run_id
         self.run_dir = job.run_dir
         self.sink = RecordSink(self.run_dir)
@@ -212,7 +217,9 @@ class LoadContext:
     def send(self, client: StreamingClient, req, t_scheduled_ns: int | None, stage: int,
              keep_text: bool = False) -> Result:
         """Send ``req``, record it whatever happens (cancelled included), report to Locust."""
-        body = request_body(req, self.model, ignore_eos=self.ignore_eos)
+        sid = req.session_id
+        body = request_body(req, self.model, ignore_eos=self.ignore_eos,
+                            user=sid if self.session_user and sid else None)
         res = Result()
         now = time.time_ns()
         self.sink.begin((
@@ -222,7 +229,8 @@ class LoadContext:
             t_scheduled_ns if t_scheduled_ns is not None else now, now))
         try:
             client.post_stream(request_path(req), body, keep_text=keep_text, res=res,
-                               request_id=req.request_id, max_tokens=req.max_tokens)
+                               request_id=req.request_id, max_tokens=req.max_tokens,
+                               stream=req.stream, headers=self.session_headers(sid))
         finally:
             if res.t_sent_ns == 0:
                 res.t_sent_ns = time.time_ns()
@@ -247,6 +255,14 @@ class LoadContext:
                 fail(self.environment, err)
         return res
 
+    def session_headers(self, session_id: str) -> dict | None:
+        """The session id header every request of a session carries (routers pin on it);
+        none when the header is switched off or the id cannot be a header value."""
+        if self.session_header and session_id and session_id.isascii() \
+                and session_id.isprintable():
+            return {self.session_header: session_id}
+        return None
+
     def record(self, req, res: Result, t_scheduled_ns: int | None, stage: int) -> None:
         self.sink.append((
             self.run_id, self.endpoint, self.topology, self.workload_name, req.request_class,
@@ -257,7 +273,8 @@ class LoadContext:
             res.connect_ns, res.ttft_ns, res.offsets_ns, res.tokens, res.e2e_ns, res.status,
             res.http_status, redact.redact(res.error), res.server_queue_ns, res.server_prefill_ns,
             res.server_kv_transfer_ns, res.server_first_decode_ns, res.server_replica,
-            res.server_region, res.retry_after_s, res.server_request_id))
+            res.server_region, res.retry_after_s, res.server_request_id, res.streamed,
+            req.parent_session_id, req.subagent_index))
 
     def report(self, req, res: Result) -> None:
         """Locust's live stats: ONE request event per LLM request (``e2e <class>``, its
@@ -351,34 +368,37 @@ class LoadContext:
 
     def _closed_user(self, d: ClosedLoopStages, u: ClosedUser) -> None:
         """One user of a closed-loop search: one session at a time (think times between turns,
-        turn k+1 built from turn k's answer), each request tagged with the stage it was sent
-        in; it waits while no stage runs and ends once retired."""
+        turn k+1 built from turn k's answer, sub-agents concurrently: ``plan.sessions``), each
+        request tagged with the stage it was sent in; it waits while no stage runs and ends
+        once retired."""
         client = self.new_client()
         if self.warm:
             client.pool.warm(1)
+
+        def send(req, t_scheduled_ns):
+            stage = d.next_turn(u)
+            if stage is None:
+                return None
+            try:
+                return self.send(client, req, t_scheduled_ns, stage, keep_text=True)
+            finally:
+                d.turn_done(u)
+
+        driver = self.session_driver(send, d.stopped)
         try:
             while not u.retired and not d.stopped.is_set():
                 session = self.next_session()
                 if session is None:
                     return
-                while True:
-                    req = session.next_request()
-                    if req is None:
-                        break
-                    if req.think_time_s > 0 and req.turn > 0 and d.stopped.wait(req.think_time_s):
-                        return
-                    stage = d.next_turn(u)
-                    if stage is None:
-                        return
-                    try:
-                        res = self.send(client, req, None, stage, keep_text=True)
-                    finally:
-                        d.turn_done(u)
-                    if res.status != "ok":
-                        break  # the session cannot build its next turn on a failed answer
-                    session.feed_response(res.text)
+                if not driver.run(session) and driver.refused:
+                    return
         finally:
             client.pool.close()
+
+    def session_driver(self, send, stopped) -> SessionDriver:
+        """A user's session driver (``plan.sessions``) with the job's replay strategy."""
+        return SessionDriver(send, stopped, replay=self.job.replay,
+                             time_scale=self.job.time_scale)
 
     def stop_starting(self) -> None:
         """The stage (or run) ends: users and the dispatcher start no new request."""
@@ -477,8 +497,11 @@ class _Renamed:
         req = self._s.next_request()
         if req is None:
             return None
+        if isinstance(req, Spawn):  # its sub-agents are renamed alike
+            return Spawn(tuple(_Renamed(s, self._n) for s in req.sessions), req.think_time_s)
+        parent = req.parent_session_id and f"{req.parent_session_id}#{self._n}"
         return replace(req, request_id=f"{req.request_id}#{self._n}",
-                       session_id=self.session_id)
+                       session_id=self.session_id, parent_session_id=parent)
 
     def feed_response(self, text: str) -> None:
         self._s.feed_response(text)
