@@ -8,7 +8,13 @@ the leading run of blocks already seen (partial blocks never hit, as in vLLM). "
 keeps every block; "lru" keeps ``capacity_tokens`` worth of blocks, touching a request's blocks
 last-to-first so a prefix's tail is evicted before its head (vLLM frees blocks in that order).
 ``unique_tokens`` is what an unbounded cache would still compute: prompt tokens minus hits.
-Mooncake traces use their own ``hash_ids`` (512-token blocks) without building any text.
+Mooncake traces use their own ``hash_ids`` (512-token blocks) without building any text, and
+so do agentic-coding traces (64-token blocks). These also get an ``agentic`` section:
+conversations, requests (sub-agents' included), sub-agent sessions, context growth (input
+tokens of each conversation's first and last request, p50/p90) and the theoretical
+within-conversation block hit ratio: a full block hits when its hash id appeared in an earlier
+request of the same conversation (the main session and its sub-agents share the file's ids),
+requests in file order; hit blocks over all full blocks.
 """
 
 from __future__ import annotations
@@ -108,7 +114,8 @@ def describe(workload_or_requests, *, block_tokens: int = 16,
     theoretical_hit_ratio_lru (None without ``capacity_tokens``), plus block_tokens,
     capacity_tokens, classes ({class: requests}), shared_prefix_ratio (the generators'
     declared reusable share), duration_s (last arrival, when requests carry arrivals) and
-    notes (e.g. skipped trace lines).
+    notes (e.g. skipped trace lines); ``agentic`` for agentic-coding traces (see the module
+    docstring; None otherwise).
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
@@ -186,6 +193,7 @@ def describe(workload_or_requests, *, block_tokens: int = 16,
         if declared is not None else None,
         "duration_s": last_arrival,
         "notes": list(getattr(wl, "notes", []) or []),
+        "agentic": wl.describe_agentic() if hasattr(wl, "describe_agentic") else None,
     }
 
 

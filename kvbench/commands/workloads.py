@@ -39,7 +39,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="bench.toml", metavar="FILE",
                    help="the suite config (default: ./bench.toml)")
-    p.add_argument("--format", choices=("mooncake", "azure", "lmcache_agent"), default=None,
+    p.add_argument("--format", choices=("mooncake", "azure", "lmcache_agent", "agentic"),
+                   default=None,
                    help="trace format (default: guessed from the path)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="only the first N requests")
@@ -50,6 +51,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="skip malformed trace lines (and count them) instead of failing")
     p.add_argument("--api", choices=("chat", "completions"), default="chat",
                    help="for traces: send chat messages or a completions prompt")
+    p.add_argument("--shared-prefix", default=None, metavar="shared|per_conversation|F",
+                   help="agentic traces: the tool/system prefix shared by every conversation "
+                   "(default), each conversation's own, or a fraction F of it shared")
 
 
 def _is_path(target: str) -> bool:
@@ -71,10 +75,13 @@ def _workload(target: str, args, cfg_cache: dict):
         if not path.exists():
             raise UserError(f"{path}: no such trace file or directory; check the path")
         fmt = args.format or guess_format(path)
+        extra = {}
+        if args.shared_prefix is not None:
+            extra["shared_prefix"] = _shared_prefix(args.shared_prefix)
         try:
             spec = TraceSpec(format=fmt, path=str(path), limit=args.limit,
                              speedup=args.speedup, jitter_s=args.jitter_s,
-                             skip_bad_lines=args.skip_bad_lines, api=args.api)
+                             skip_bad_lines=args.skip_bad_lines, api=args.api, **extra)
         except ValidationError as err:
             first = err.errors()[0]
             raise UserError(f"option --{first['loc'][0]}: {first['msg']}; fix the value") \
@@ -89,6 +96,19 @@ def _workload(target: str, args, cfg_cache: dict):
     wl = make_workload(target, cfg)
     ws = getattr(cfg.workloads[target], "working_set", None)
     return wl, ws.kv_capacity_tokens if ws is not None else None
+
+
+def _shared_prefix(text: str):
+    if text in ("shared", "per_conversation"):
+        return text
+    try:
+        x = float(text)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x <= 1:
+        raise UserError(f"option --shared-prefix {text!r} is not shared, per_conversation or a "
+                        "fraction from 0 to 1; fix the value")
+    return x
 
 
 def _config(args, cache: dict):
@@ -174,6 +194,8 @@ def format_table(summaries: dict) -> str:
         ])
         if d.get("duration_s") is not None:
             notes.append(f"{name}: arrivals span {d['duration_s']:.1f} s")
+        if d.get("agentic"):
+            notes.extend(f"{name}: {line}" for line in agentic_lines(d["agentic"]))
         notes.extend(f"{name}: {n}" for n in d.get("notes", []))
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w)
@@ -185,6 +207,23 @@ def format_table(summaries: dict) -> str:
     if notes:
         text += "\n".join(notes) + "\n"
     return text
+
+
+def agentic_lines(a: dict) -> list[str]:
+    """The agentic section of a summary, a line each."""
+    f, la = a["context_first_request"], a["context_last_request"]
+    return [
+        f"{a['conversations']:,} conversations, {a['requests']:,} requests "
+        f"({a['subagent_requests']:,} in {a['subagent_sessions']:,} sub-agent sessions, "
+        f"{a['spawns']:,} spawns); {a['non_streaming_requests']:,} non-streaming",
+        f"context growth: first request p50 {_fmt_tokens(f['p50'])} p90 "
+        f"{_fmt_tokens(f['p90'])} -> last request p50 {_fmt_tokens(la['p50'])} p90 "
+        f"{_fmt_tokens(la['p90'])} tokens",
+        "within-conversation block hit ratio "
+        f"{_fmt_ratio(a['within_conversation_block_hit_ratio'])} ({a['block_hits']:,} of "
+        f"{a['blocks']:,} blocks of {a['block_size']} tokens): "
+        f"{a['definition']}",
+    ]
 
 
 def _generate(args) -> int:

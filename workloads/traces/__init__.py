@@ -1,4 +1,5 @@
-"""Replay of real serving traces: Mooncake JSONL, Azure 2023 CSV, LMCache agent sessions.
+"""Replay of real serving traces: Mooncake JSONL, Azure 2023 CSV, LMCache agent sessions,
+agentic-coding conversations (kv-cache-tester JSON, with sub-agents).
 
 Every reader streams its file once into compact columns (no prompt text is built while
 reading); prompt text is built lazily per request. A malformed line is a ``UserError`` naming
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import ClassVar, Iterator, Literal
+from typing import Annotated, ClassVar, Iterator, Literal, Union
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvbench.core.errors import UserError
 from kvbench.workloads.base import Request, SingleTurnSession
@@ -21,7 +22,7 @@ from kvbench.workloads.prompt import Assembler
 from kvbench.workloads.registry import BuildContext, register
 from kvbench.workloads.specs import MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, KindSpec
 
-FORMATS = ("mooncake", "azure", "lmcache_agent")
+FORMATS = ("mooncake", "azure", "lmcache_agent", "agentic")
 # A trace's timestamps span at most a year (the public ones span an hour to a week): later
 # ones are damage, and an arrival that far out would hold a run open for ever.
 MAX_SPAN_S = 366 * 86400.0
@@ -35,16 +36,32 @@ def shown(value, n: int = 40) -> str:
 
 class TraceSpec(KindSpec):
     kind: Literal["trace"] = "trace"
-    format: Literal["mooncake", "azure", "lmcache_agent"]
-    path: str  # a file, or for lmcache_agent a directory of session files
+    format: Literal["mooncake", "azure", "lmcache_agent", "agentic"]
+    path: str  # a file, or for lmcache_agent and agentic a directory of session files
     # 2.0 replays twice as fast; past 1e6 a day of trace is sent in under a tenth of a second
     speedup: float = Field(default=1.0, gt=0, le=1e6)
     limit: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)
     jitter_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS)  # spreads Mooncake's 3 s steps
     skip_bad_lines: bool = False
     max_output_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)  # clip outputs
+    # agentic only: the tool definitions + system prompt shared by every conversation
+    # ("shared"), each conversation's own ("per_conversation"), or only that fraction of it
+    # shared (kv-cache-tester's warm prefix)
+    shared_prefix: Union[Literal["shared", "per_conversation"],
+                         Annotated[float, Field(ge=0, le=1)]] = "shared"
+    min_tokens: bool = False  # agentic: send min_tokens = max_tokens (the answer's length)
+    conversations: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)  # agentic: cap
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
+
+    @model_validator(mode="after")
+    def _agentic_only(self):
+        if self.format != "agentic":
+            for key, default in (("shared_prefix", "shared"), ("min_tokens", False),
+                                 ("conversations", None)):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{key} applies to format = \"agentic\" only; remove it")
+        return self
 
 
 def traces_dir() -> Path:
@@ -57,10 +74,16 @@ def traces_dir() -> Path:
 
 
 def guess_format(path: Path) -> str:
-    """The trace format from the path: a directory is LMCache agent sessions, ``.csv`` is
-    Azure, ``.jsonl`` is Mooncake unless its first record has an ``input`` text."""
+    """The trace format from the path: a directory is LMCache agent sessions (``.jsonl``
+    files) or agentic-coding conversations (``.json`` files), ``.json`` is an agentic-coding
+    conversation, ``.csv`` is Azure, ``.jsonl`` is Mooncake unless its first record has an
+    ``input`` text."""
     if path.is_dir():
-        return "lmcache_agent"
+        has_jsonl = next(path.glob("*.jsonl"), None) is not None
+        return "agentic" if not has_jsonl and next(path.glob("*.json"), None) is not None \
+            else "lmcache_agent"
+    if path.suffix.lower() == ".json":
+        return "agentic"
     if path.suffix.lower() == ".csv":
         return "azure"
     try:
@@ -160,6 +183,9 @@ def open_trace(name: str, spec: TraceSpec, tokenizer, seed: int) -> TraceWorkloa
     if spec.format == "azure":
         from kvbench.workloads.traces.azure import AzureTrace
         return AzureTrace(name, spec, tokenizer, seed)
+    if spec.format == "agentic":
+        from kvbench.workloads.traces.agentic import AgenticTrace
+        return AgenticTrace(name, spec, tokenizer, seed)
     from kvbench.workloads.traces.lmcache_agent import LMCacheAgentTrace
     return LMCacheAgentTrace(name, spec, tokenizer, seed)
 

@@ -1,0 +1,364 @@
+"""The agentic-coding trace reader (issue 36): generated conversations round-trip through it
+(requests, token counts, KV-block equality as the server tokenizes the prompt), malformed
+files get one sentence naming the file and the field, and on the real public traces (when
+present) ``kvbench workloads describe`` reports what plain JSON recomputes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kvbench.core.errors import UserError
+from kvbench.workloads.base import Request, Spawn
+from kvbench.workloads.registry import build_spec
+from kvbench.workloads.tokenizer import get_tokenizer
+from kvbench.workloads.traces import TraceSpec, guess_format
+
+TOK = get_tokenizer()
+
+
+def real_traces() -> Path:
+    env = os.environ.get("KVBENCH_TRACES")
+    d = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "traces"
+    d = d / "agentic-coding"
+    if not d.is_dir():
+        pytest.skip(f"real agentic-coding traces not found at {d} (set KVBENCH_TRACES to the "
+                    "folder holding agentic-coding/)")
+    return d
+
+
+def load(path, **kw):
+    return build_spec("ag", TraceSpec(format="agentic", path=str(path), **kw), TOK, 0)
+
+
+def server_tokens(r: Request) -> list[str]:
+    """What the built-in server tokenizes: the rendered chat, or the completions prompt."""
+    return TOK.tokens(TOK.render_chat(r.messages) if r.messages is not None else r.prompt)
+
+
+def blocks(toks: list[str], bs: int) -> list[tuple]:
+    return [tuple(toks[i:i + bs]) for i in range(0, len(toks) - bs + 1, bs)]
+
+
+def drain(session) -> list:
+    """Requests and Spawns of a session, sub-sessions drained depth first after each Spawn."""
+    out = []
+    while (x := session.next_request()) is not None:
+        out.append(x)
+        if isinstance(x, Spawn):
+            for s in x.sessions:
+                out.extend(drain(s))
+    return out
+
+
+# -- generated conversations --------------------------------------------------------------
+
+@st.composite
+def conversation(draw, cid: str = "c0", with_subs: bool = True, bs: int | None = None):
+    """A valid conversation: hash-id chains that grow, branch (the context was edited) and
+    repeat, a tool/system prefix, optional sub-agents with their own id range."""
+    if bs is None:
+        bs = draw(st.sampled_from([8, 16, 64]))  # a block longer than the template head
+    prefix = draw(st.integers(0, 3 * bs))
+    tool = draw(st.integers(0, prefix))
+    next_id = [1]
+
+    def fresh(n):
+        ids = list(range(next_id[0], next_id[0] + n))
+        next_id[0] += n
+        return ids
+
+    def chain(n_req, base_ids):
+        out, ids, t = [], list(base_ids), 0.0
+        for _ in range(n_req):
+            keep = draw(st.integers(0, len(ids)))
+            ids = ids[:keep] + fresh(draw(st.integers(0 if keep else 1, 4)))
+            n_in = len(ids) * bs + draw(st.integers(0, bs - 1))
+            rec = {"t": t, "type": draw(st.sampled_from(["s", "n"])), "in": n_in,
+                   "out": draw(st.integers(0, 40)), "hash_ids": list(ids)}
+            if draw(st.booleans()):
+                rec["think_time"] = draw(st.floats(0, 30, allow_nan=False))
+            if draw(st.booleans()):
+                rec["api_time"] = draw(st.floats(0, 30, allow_nan=False))
+            out.append(rec)
+            t += draw(st.floats(0, 60, allow_nan=False))
+        return out, t
+
+    main_prefix = fresh(prefix // bs)
+    reqs, t_end = chain(draw(st.integers(1, 5)), main_prefix)
+    if with_subs and draw(st.booleans()):
+        sub_prefix = fresh(draw(st.integers(0, 2)))
+        for _ in range(draw(st.integers(1, 3))):
+            sreqs, _ = chain(draw(st.integers(1, 3)), sub_prefix)
+            entry = {"t": t_end, "type": "subagent", "tool_tokens": 0,
+                     "system_tokens": len(sub_prefix) * bs, "requests": sreqs}
+            if draw(st.booleans()):
+                entry["duration_ms"] = draw(st.integers(0, 100_000))
+            reqs.append(entry)
+            t_end += draw(st.floats(0, 30, allow_nan=False))
+        more, _ = chain(draw(st.integers(0, 2)), main_prefix)
+        for r in more:
+            r["t"] += t_end
+        reqs.extend(more)
+    return {"id": cid, "block_size": bs, "hash_id_scope": "local", "tool_tokens": tool,
+            "system_tokens": prefix - tool, "requests": reqs}
+
+
+def flat_records(doc) -> list[tuple]:
+    """(session key, record) in file order; key -1 for the main session, else the
+    sub-agent's order in the conversation."""
+    out, k = [], 0
+    for rec in doc["requests"]:
+        if rec["type"] == "subagent":
+            out.extend((k, r) for r in rec["requests"])
+            k += 1
+        else:
+            out.append((-1, rec))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(doc=conversation(), api=st.sampled_from(["chat", "completions"]))
+def test_generated_conversation_round_trips(tmp_path_factory, doc, api):
+    d = tmp_path_factory.mktemp("ag")
+    (d / "c0.json").write_text(json.dumps(doc))
+    wl = load(d, api=api, shared_prefix="per_conversation")
+    bs = doc["block_size"]
+    recs = flat_records(doc)
+    got = [x for x in drain(next(wl.sessions()))]
+    reqs = [x for x in got if isinstance(x, Request)]
+    assert len(reqs) == len(recs) == len(wl)
+    tail = wl.tail
+    toks = []
+    for (key, rec), r in zip(recs, reqs):
+        sent = server_tokens(r)
+        toks.append(sent)
+        assert r.prompt_tokens == len(sent)
+        # the trace's input length exactly, unless the template's closing tokens do not fit
+        # after the last full block
+        assert r.prompt_tokens == max(rec["in"], len(rec["hash_ids"]) * bs + tail,
+                                      wl.head + tail + 1)
+        assert r.max_tokens == max(rec["out"], 1) and r.min_tokens == 0
+        assert r.stream is (rec["type"] == "s")
+        assert r.subagent_index == key
+        assert (r.parent_session_id == "") is (key == -1)
+        if key >= 0:
+            assert r.parent_session_id == f"ag-{doc['id']}"
+            assert r.session_id == f"ag-{doc['id']}-s{key}"
+        assert r.api_time_s == rec.get("api_time")
+        assert r.think_time_s >= 0
+    # equal hash-id prefixes give exactly that many equal blocks, and no more
+    for i in range(len(recs)):
+        for j in range(i):
+            a, b = recs[i][1]["hash_ids"], recs[j][1]["hash_ids"]
+            c = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            ba, bb = blocks(toks[i], bs), blocks(toks[j], bs)
+            assert ba[:c] == bb[:c]
+            if c < len(a) and c < len(b):
+                assert ba[c] != bb[c], (i, j, c)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), frac=st.sampled_from(["shared", "per_conversation", 0.5]))
+def test_tool_and_system_prefix_shared_across_conversations(tmp_path_factory, data, frac):
+    a = data.draw(conversation("a", with_subs=False))
+    bs = a["block_size"]
+    b = data.draw(conversation("b", with_subs=False, bs=bs))
+    for doc in (a, b):  # the prefix in full blocks of the common size
+        n = len(doc["requests"][0]["hash_ids"])
+        doc["tool_tokens"], doc["system_tokens"] = 0, bs * min(n, 2)
+    d = tmp_path_factory.mktemp("ag")
+    (d / "a.json").write_text(json.dumps(a))
+    (d / "b.json").write_text(json.dumps(b))
+    wl = load(d, shared_prefix=frac)
+    sa, sb = wl.sessions()
+    ra, rb = sa.next_request(), sb.next_request()
+    pa = a["system_tokens"] // bs
+    pb = b["system_tokens"] // bs
+    want = min(pa, pb) if frac == "shared" else (
+        0 if frac == "per_conversation" else min(int(0.5 * pa * bs) // bs,
+                                                 int(0.5 * pb * bs) // bs))
+    ba, bb = blocks(server_tokens(ra), bs), blocks(server_tokens(rb), bs)
+    assert ba[:want] == bb[:want]
+    if want < min(len(ba), len(bb)):
+        assert ba[want] != bb[want]
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: d["requests"][0].pop("in"), "requests[0].in"),
+    (lambda d: d["requests"][0].pop("hash_ids"), "requests[0].hash_ids"),
+    (lambda d: d["requests"][0].update(out="many"), "requests[0].out"),
+    (lambda d: d["requests"][0].update(t=-1), "requests[0].t"),
+    (lambda d: d["requests"][0].update(type="x"), "requests[0].type"),
+    (lambda d: d["requests"][0].update(think_time="3"), "requests[0].think_time"),
+    (lambda d: d["requests"][0].update(hash_ids=[1, "2"]), "requests[0].hash_ids"),
+    (lambda d: d["requests"][0].update(hash_ids=[1] * 99), "requests[0].hash_ids"),
+    (lambda d: d.pop("requests"), "requests"),
+    (lambda d: d.update(requests=[]), "requests"),
+    (lambda d: d.pop("tool_tokens"), "tool_tokens"),
+    (lambda d: d.update(system_tokens=1.5), "system_tokens"),
+    (lambda d: d.update(block_size=0), "block_size"),
+    (lambda d: d["requests"].append({"t": 1, "type": "subagent", "tool_tokens": 0,
+                                     "system_tokens": 0}), "requests[1].requests"),
+    (lambda d: d["requests"].append({"t": 1, "type": "subagent", "tool_tokens": 0,
+                                     "system_tokens": 0, "requests": [{"t": 0}]}),
+     "requests[1].requests[0].type"),
+])
+def test_malformed_field_named_in_one_sentence(tmp_path, mutate, field):
+    doc = {"id": "x", "block_size": 8, "tool_tokens": 0, "system_tokens": 8,
+           "requests": [{"t": 0, "type": "n", "in": 17, "out": 3, "hash_ids": [1, 2]}]}
+    mutate(doc)
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(UserError) as err:
+        load(f)
+    msg = str(err.value)
+    assert msg.startswith(f"{f}: ") and field in msg and "\n" not in msg
+    assert msg.count("; ") == 1 and not msg.rstrip(".").count(". ")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(doc=conversation(), cut=st.integers(1, 400), junk=st.binary(max_size=8))
+def test_bad_json_names_the_file_and_skipping_counts_it(tmp_path_factory, doc, cut, junk):
+    d = tmp_path_factory.mktemp("ag")
+    text = json.dumps(doc).encode()
+    (d / "good.json").write_bytes(text)
+    (d / "bad.json").write_bytes(text[: min(cut, len(text) - 1)] + junk)
+    try:
+        json.loads((d / "bad.json").read_bytes())
+        return  # the cut happened to leave valid JSON
+    except ValueError:
+        pass
+    with pytest.raises(UserError) as err:
+        load(d)
+    assert str(err.value).startswith(f"{d / 'bad.json'}: ")
+    wl = load(d, skip_bad_lines=True)
+    assert wl.skipped_lines == 1 and len(wl.conversations) == 1
+    assert "skipped 1 malformed file" in wl.notes[0]
+
+
+def test_spawn_groups_overlapping_subagents_and_think_times(tmp_path):
+    sub = {"t": 0, "type": "n", "in": 8, "out": 2, "hash_ids": [50, 51], "think_time": 0}
+    doc = {"id": "c", "block_size": 4, "tool_tokens": 0, "system_tokens": 0, "requests": [
+        {"t": 0, "type": "n", "in": 8, "out": 2, "hash_ids": [1, 2], "api_time": 2.0},
+        {"t": 10, "type": "subagent", "tool_tokens": 0, "system_tokens": 4,
+         "duration_ms": 30_000, "requests": [sub]},
+        {"t": 20, "type": "subagent", "tool_tokens": 0, "system_tokens": 4,
+         "duration_ms": 5_000, "requests": [sub]},  # starts before the first ends: one Spawn
+        {"t": 50, "type": "subagent", "tool_tokens": 0, "system_tokens": 4,
+         "duration_ms": 1_000, "requests": [sub]},  # after both ended: a Spawn of its own
+        {"t": 55, "type": "s", "in": 12, "out": 2, "hash_ids": [1, 2, 3], "think_time": 53},
+        {"t": 70, "type": "s", "in": 12, "out": 2, "hash_ids": [1, 2, 3], "api_time": 1},
+        {"t": 80, "type": "s", "in": 12, "out": 2, "hash_ids": [1, 2, 3]},
+    ]}
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(doc))
+    wl = load(f, speedup=2.0)
+    s = next(wl.sessions())
+    first = s.next_request()
+    assert first.think_time_s == 0 and first.conversation_offset_s == 0
+    sp1 = s.next_request()
+    assert isinstance(sp1, Spawn) and len(sp1.sessions) == 2
+    assert sp1.think_time_s == pytest.approx((10 - 2.0) / 2)  # from the answer's end, scaled
+    kids = [k.next_request() for k in sp1.sessions]
+    assert [k.subagent_index for k in kids] == [0, 1]
+    assert [k.conversation_offset_s for k in kids] == [10, 20]
+    assert all(k.parent_session_id == "ag-c" for k in kids)
+    sp2 = s.next_request()
+    assert isinstance(sp2, Spawn) and len(sp2.sessions) == 1
+    assert sp2.think_time_s == pytest.approx((50 - 40) / 2)  # after the group's last end
+    after = s.next_request()
+    assert after.think_time_s == pytest.approx((55 - 51) / 2)  # not the recorded 53
+    assert s.next_request().think_time_s == pytest.approx((70 - 55) / 2)  # no api_time: t gap
+    assert s.next_request().think_time_s == pytest.approx((80 - 71) / 2)  # t - (t + api_time)
+    assert s.next_request() is None
+    assert any("after sub-agents" in n for n in wl.notes)
+    # the open-loop order: original timestamps, every conversation from 0
+    offs = [r.arrival_offset_s for r in wl.requests()]
+    assert offs == sorted(offs) and len(offs) == 7
+
+
+def test_min_tokens_and_limits(tmp_path):
+    doc = {"id": "c", "block_size": 4, "tool_tokens": 0, "system_tokens": 0, "requests": [
+        {"t": 0, "type": "n", "in": 8, "out": 20, "hash_ids": [1, 2]}]}
+    for k in range(3):
+        (tmp_path / f"c{k}.json").write_text(json.dumps({**doc, "id": f"c{k}"}))
+    r = next(load(tmp_path, min_tokens=True, max_output_tokens=9).requests())
+    assert r.max_tokens == r.min_tokens == 9
+    assert len(load(tmp_path, conversations=2).conversations) == 2
+    assert guess_format(tmp_path) == "agentic" and guess_format(tmp_path / "c0.json") == "agentic"
+    with pytest.raises(ValueError, match="agentic"):
+        TraceSpec(format="mooncake", path="x", shared_prefix=0.5)
+
+
+# -- the real traces ----------------------------------------------------------------------
+
+def independent_summary(d: Path) -> dict:
+    """Plain JSON, no reader: conversations, requests (sub-agents' included), sub-agent
+    sessions and the within-conversation block hit ratio (an id seen earlier in the file)."""
+    convs = reqs = subs = blocks_n = hits = 0
+    for f in sorted(d.glob("*.json")):
+        doc = json.loads(f.read_text())
+        convs += 1
+        seen = set()
+        order = []
+        for r in doc["requests"]:
+            if r["type"] == "subagent":
+                subs += 1
+                order.extend(r["requests"])
+            else:
+                order.append(r)
+        for r in order:
+            reqs += 1
+            blocks_n += len(r["hash_ids"])
+            hits += sum(h in seen for h in r["hash_ids"])
+            seen.update(r["hash_ids"])
+    return {"conversations": convs, "requests": reqs, "subagent_sessions": subs,
+            "ratio": hits / blocks_n}
+
+
+def test_describe_real_folder_matches_plain_json(capsys):
+    from kvbench.cli import main
+
+    d = real_traces()
+    want = independent_summary(d)
+    assert want["conversations"] == 244 and want["requests"] == 4412
+    assert want["subagent_sessions"] == 14
+    assert main(["workloads", "describe", str(d), "--json", "--config", "/nonexistent"]) == 0
+    out = json.loads(capsys.readouterr().out)[str(d)]
+    a = out["agentic"]
+    assert out["requests"] == a["requests"] == 4412 and a["conversations"] == 244
+    assert a["subagent_sessions"] == 14
+    assert a["within_conversation_block_hit_ratio"] == pytest.approx(want["ratio"], abs=1e-12)
+    assert a["context_last_request"]["p50"] > a["context_first_request"]["p50"]
+    assert main(["workloads", "describe", str(d), "--config", "/nonexistent"]) == 0
+    text = capsys.readouterr().out
+    assert "244 conversations, 4,412 requests" in text and "earlier request of the same " \
+        "conversation" in text
+
+
+def test_real_blocks_align_as_the_server_sees_them():
+    d = real_traces()
+    wl = load(d / "trace_0274.json")  # three sub-agents, two of them overlapping
+    sess = next(wl.sessions())
+    items = drain(sess)
+    spawns = [x for x in items if isinstance(x, Spawn)]
+    assert sum(len(s.sessions) for s in spawns) == 3
+    reqs = [x for x in items if isinstance(x, Request)][:12]
+    docs = json.loads((d / "trace_0274.json").read_text())
+    by_id = {}
+    for rec in docs["requests"]:
+        for r in rec.get("requests", [rec]) if rec["type"] == "subagent" else [rec]:
+            by_id.setdefault(len(by_id), r)
+    toks = [blocks(server_tokens(r), 64) for r in reqs]
+    recs = [by_id[i] for i in range(len(reqs))]
+    for i in range(len(reqs)):
+        assert reqs[i].prompt_tokens == max(recs[i]["in"], 64 * len(recs[i]["hash_ids"]) + wl.tail)
+        for j in range(i):
+            a, b = recs[i]["hash_ids"], recs[j]["hash_ids"]
+            for k in range(min(len(a), len(b))):
+                assert (toks[i][k] == toks[j][k]) is (a[k] == b[k])
