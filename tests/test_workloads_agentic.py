@@ -362,3 +362,86 @@ def test_real_blocks_align_as_the_server_sees_them():
             a, b = recs[i]["hash_ids"], recs[j]["hash_ids"]
             for k in range(min(len(a), len(b))):
                 assert (toks[i][k] == toks[j][k]) is (a[k] == b[k])
+
+
+# -- bench/bakeoff_sim.py learns the format ------------------------------------------------
+
+PROFILE = """[profiles.p]
+pacing = "poisson"
+stages = [{ rate_rps = 1.0, duration_s = 1 }]
+"""
+
+def test_bakeoff_sim_replays_agentic_sessions(tmp_path):
+    """The sim's loading path (the config's workload through the registry) turns an agentic
+    trace into sessions: equal hash ids give equal engine block hashes, sub-agents become
+    spawns, and the --users grid replays them on the built-in engines."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from kvbench_cli import tiny_chat_config
+
+    d = tmp_path / "traces"
+    d.mkdir()
+    sub = {"t": 0, "type": "s", "in": 70, "out": 5, "hash_ids": [90], "think_time": 0}
+    for k in range(3):
+        doc = {"id": f"c{k}", "block_size": 64, "tool_tokens": 30, "system_tokens": 34,
+               "requests": [
+                   {"t": 0, "type": "s", "in": 130, "out": 8, "hash_ids": [1, 2],
+                    "api_time": 1.0},
+                   {"t": 3, "type": "subagent", "tool_tokens": 0, "system_tokens": 0,
+                    "duration_ms": 2000, "requests": [sub, {**sub, "t": 1}]},
+                   {"t": 4, "type": "subagent", "tool_tokens": 0, "system_tokens": 0,
+                    "requests": [sub]},
+                   {"t": 9, "type": "n", "in": 200, "out": 8, "hash_ids": [1, 2, 3],
+                    "think_time": 2.0}]}
+        (d / f"c{k}.json").write_text(json.dumps(doc))
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text(tiny_chat_config("tiny", 4, PROFILE, 500.0)
+                   .replace("@RESULTS@", str(tmp_path / "results"))
+                   + f'\n[workloads.ag]\nkind = "trace"\nformat = "agentic"\npath = "{d}"\n')
+    sys.path.insert(0, str(root / "bench"))
+    import bakeoff_sim
+
+    convs, slo = bakeoff_sim.prompts(cfg, "ag")
+    assert len(convs) == 3 and slo["chat"]["ttft_ms"] == 500
+    c0 = convs[0]
+    kinds = [x[0] for x in c0]
+    assert kinds == ["req", "spawn", "req"]  # the overlapping sub-agents are one spawn
+    first, spawn, last = c0
+    assert len(spawn[2]) == 2 and spawn[1] == pytest.approx(2.0)  # 3 - (0 + 1.0)
+    assert last[3][:8] == first[3][:8]  # blocks 1, 2 (4 engine blocks each) hit
+    assert len(first[3]) == 8 and last[3][8] not in first[3]
+    assert convs[1][0][3][:4] == first[3][:4]  # the shared tool/system block
+    assert convs[1][0][3][4] != first[3][4]  # the conversation's own block
+    assert last[7] is False and first[7] is True
+    p = subprocess.run(
+        [sys.executable, str(root / "bench" / "bakeoff_sim.py"), "--config", str(cfg),
+         "--workload", "ag", "--topologies", "colocated", "--users", "1,3", "--seconds",
+         "20", "--warmup-s", "0", "--time-scale", "1"],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "ag: 3 conversations" in p.stdout and "sessions at 95%" in p.stdout
+    rows = [line.split() for line in p.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "3"] and all(int(r[1]) > 0 for r in rows)
+    assert all(0 < float(r[-1]) < 1 for r in rows)  # the engine's prefix hit ratio
+
+
+def test_warm_cache_primes_only_the_shared_tool_and_system_prefix(tmp_path):
+    """``cache = "warm"`` primes what every conversation shares, not each one's history."""
+    from kvbench.runs.cache import shared_prefixes
+
+    for k in range(3):
+        doc = {"id": f"c{k}", "block_size": 16, "tool_tokens": 16, "system_tokens": 16,
+               "requests": [{"t": 0, "type": "s", "in": 50, "out": 2, "hash_ids": [1, 2, 3]},
+                            {"t": 5, "type": "s", "in": 70, "out": 2,
+                             "hash_ids": [1, 2, 3, 4]}]}
+        (tmp_path / f"c{k}.json").write_text(json.dumps(doc))
+    wl = load(tmp_path)
+    reqs = list(wl.sessions())[0]
+    first, second = reqs.next_request(), reqs.next_request()
+    assert not first.prefix_from_responses and second.prefix_from_responses
+    assert second.shared_prefix_tokens > first.shared_prefix_tokens > 0
+    primed = shared_prefixes(wl, TOK)
+    assert len(primed) == 1 and TOK.count(primed[0]) == first.shared_prefix_tokens

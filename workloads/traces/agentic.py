@@ -34,6 +34,10 @@ number in [0, 1] (as kv-cache-tester's warm-prefix option); main agents and sub-
 such prefix each. A block whose id differs from the first request's at that position (the
 system prompt changed) is the conversation's own text.
 
+``shared_prefix_tokens`` is the leading run of blocks sent before in the conversation or
+shared by every conversation; past the shared prefix it holds the conversation's history
+(``prefix_from_responses``), which a warm cache does not prime.
+
 Reading all 244 public conversations takes a few seconds: files are parsed and checked once,
 prompt text is built per request when asked for.
 """
@@ -429,8 +433,9 @@ class AgenticTrace(TraceWorkload):
         body = sum(ntok)
         rest = max(r.n_in - self.tail - self.head - body, 0 if parts else 1)
         tail = self.text.segment(f"{self.name}/{sid}/t{turn}/tail", rest) if rest else ""
-        k = max(r.known, next((j for j, h in enumerate(r.ids)
-                               if self.block_key(conv, h)[0] != "prefix"), len(r.ids)))
+        shared_run = next((j for j, h in enumerate(r.ids)
+                           if self.block_key(conv, h)[0] != "prefix"), len(r.ids))
+        k = max(r.known, shared_run)
         head_text, head_tok = "".join(parts[:k]), sum(ntok[:k])
         rest_text = "".join(parts[k:]) + tail
         pieces = [Piece(head_text, head_tok), Piece(rest_text, body - head_tok + rest)]
@@ -453,6 +458,7 @@ class AgenticTrace(TraceWorkload):
             prompt=prompt, messages=messages,
             arrival_offset_s=r.offset_s / self.spec.speedup,
             think_time_s=r.think_s / self.spec.speedup, workload=self.name, stream=r.stream,
+            prefix_from_responses=r.known > shared_run,
             parent_session_id=parent, subagent_index=sess.index,
             conversation_offset_s=r.offset_s, api_time_s=r.api_s,
             min_tokens=max_tokens if self.spec.min_tokens else 0)
