@@ -299,26 +299,28 @@ def test_min_tokens_and_limits(tmp_path):
 
 def independent_summary(d: Path) -> dict:
     """Plain JSON, no reader: conversations, requests (sub-agents' included), sub-agent
-    sessions and the within-conversation block hit ratio (an id seen earlier in the file)."""
-    convs = reqs = subs = blocks_n = hits = 0
+    sessions, and the block hit ratios: an id seen earlier in the request's own session or,
+    for a sub-agent, in its parent before the spawn; and an id seen earlier in the file."""
+    convs = reqs = subs = blocks_n = hits = wide = 0
     for f in sorted(d.glob("*.json")):
         doc = json.loads(f.read_text())
         convs += 1
-        seen = set()
-        order = []
+        main_seen, file_seen = set(), set()
         for r in doc["requests"]:
             if r["type"] == "subagent":
                 subs += 1
-                order.extend(r["requests"])
+                own, parent = set(), set(main_seen)
             else:
-                order.append(r)
-        for r in order:
-            reqs += 1
-            blocks_n += len(r["hash_ids"])
-            hits += sum(h in seen for h in r["hash_ids"])
-            seen.update(r["hash_ids"])
+                own, parent = main_seen, set()
+            for q in r["requests"] if r["type"] == "subagent" else [r]:
+                reqs += 1
+                blocks_n += len(q["hash_ids"])
+                hits += sum(h in own or h in parent for h in q["hash_ids"])
+                wide += sum(h in file_seen for h in q["hash_ids"])
+                own.update(q["hash_ids"])
+                file_seen.update(q["hash_ids"])
     return {"conversations": convs, "requests": reqs, "subagent_sessions": subs,
-            "ratio": hits / blocks_n}
+            "ratio": hits / blocks_n, "wide": wide / blocks_n}
 
 
 def test_describe_real_folder_matches_plain_json(capsys):
@@ -334,11 +336,12 @@ def test_describe_real_folder_matches_plain_json(capsys):
     assert out["requests"] == a["requests"] == 4412 and a["conversations"] == 244
     assert a["subagent_sessions"] == 14
     assert a["within_conversation_block_hit_ratio"] == pytest.approx(want["ratio"], abs=1e-12)
+    assert a["conversation_wide_block_hit_ratio"] == pytest.approx(want["wide"], abs=1e-12)
     assert a["context_last_request"]["p50"] > a["context_first_request"]["p50"]
     assert main(["workloads", "describe", str(d), "--config", "/nonexistent"]) == 0
     text = capsys.readouterr().out
-    assert "244 conversations, 4,412 requests" in text and "earlier request of the same " \
-        "conversation" in text
+    assert "244 conversations, 4,412 requests" in text
+    assert "earlier request of its own session or, for a sub-agent, of its parent" in text
 
 
 def test_real_blocks_align_as_the_server_sees_them():

@@ -13,8 +13,9 @@ so do agentic-coding traces (64-token blocks). These also get an ``agentic`` sec
 conversations, requests (sub-agents' included), sub-agent sessions, context growth (input
 tokens of each conversation's first and last request, p50/p90) and the theoretical
 within-conversation block hit ratio: a full block hits when its hash id appeared in an earlier
-request of the same conversation (the main session and its sub-agents share the file's ids),
-requests in file order; hit blocks over all full blocks.
+request of its own session or, for a sub-agent, of its parent before the spawn, requests in
+file order; hit blocks over all full blocks (and the conversation-wide ratio, which also counts
+a sibling sub-agent's earlier blocks).
 """
 
 from __future__ import annotations

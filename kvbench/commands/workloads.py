@@ -221,7 +221,8 @@ def agentic_lines(a: dict) -> list[str]:
         f"{_fmt_tokens(la['p90'])} tokens",
         "within-conversation block hit ratio "
         f"{_fmt_ratio(a['within_conversation_block_hit_ratio'])} ({a['block_hits']:,} of "
-        f"{a['blocks']:,} blocks of {a['block_size']} tokens): "
+        f"{a['blocks']:,} blocks of {a['block_size']} tokens; "
+        f"{_fmt_ratio(a['conversation_wide_block_hit_ratio'])} counting sibling sub-agents): "
         f"{a['definition']}",
     ]
 

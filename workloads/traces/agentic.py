@@ -502,31 +502,41 @@ class AgenticTrace(TraceWorkload):
 
     def describe_agentic(self) -> dict:
         """Conversations, requests, sub-agents, context growth and the theoretical
-        within-conversation block hit ratio: a full block hits when its hash id appeared in
-        an earlier request of the same conversation (its file: the main session, its
-        sub-agents and their siblings share one id space), requests taken in file order
-        (sub-agents where they are spawned); hits / all full blocks."""
-        blocks = hits = 0
-        tok_hits = tok_in = 0
+        within-conversation block hit ratio: a full block hits when its hash id appeared in an
+        earlier request of its own session or, for a sub-agent, of its parent before the
+        spawn; hit blocks over all full blocks, requests in file order. Beside it, the
+        conversation-wide ratio also counts ids a sibling sub-agent sent earlier in the file
+        (sub-agents of one kind share their tool/system blocks)."""
+        blocks = hits = wide = 0
         first, last = [], []
         stream = {"s": 0, "n": 0}
         spawns = subs = 0
         for conv in self.conversations:
-            seen: set = set()
-            for _, r in walk(conv.main):
-                h = sum(1 for x in r.ids if x in seen)
-                hits += h
+            seen_main: set = set()
+            seen_all: set = set()
+
+            def count(r: TraceRequest, own: set, parent: set) -> None:
+                nonlocal blocks, hits, wide
+                hits += sum(1 for x in r.ids if x in own or x in parent)
+                wide += sum(1 for x in r.ids if x in seen_all)
                 blocks += len(r.ids)
-                tok_hits += h * conv.block
-                tok_in += r.n_in
-                seen.update(r.ids)
+                own.update(r.ids)
+                seen_all.update(r.ids)
                 stream["s" if r.stream else "n"] += 1
+
+            for item in conv.main.items:
+                if isinstance(item, TraceRequest):
+                    count(item, seen_main, set())
+                    continue
+                spawns += 1
+                for sub in item.subs:
+                    subs += 1
+                    own: set = set()
+                    for _, r in walk(sub):
+                        count(r, own, seen_main)
             main = [x for x in conv.main.items if isinstance(x, TraceRequest)]
             first.append(main[0].n_in)
             last.append(main[-1].n_in)
-            groups = [x for x in conv.main.items if isinstance(x, SpawnGroup)]
-            spawns += len(groups)
-            subs += sum(len(g.subs) for g in groups)
 
         def p(x):
             return {"p50": float(np.percentile(x, 50)), "p90": float(np.percentile(x, 90))}
@@ -545,11 +555,11 @@ class AgenticTrace(TraceWorkload):
             "blocks": blocks,
             "block_hits": hits,
             "within_conversation_block_hit_ratio": hits / blocks if blocks else 0.0,
-            "within_conversation_token_hit_ratio": tok_hits / tok_in if tok_in else 0.0,
+            "conversation_wide_block_hit_ratio": wide / blocks if blocks else 0.0,
             "think_time_sources": dict(self.think_sources),
             "definition": "a full block hits when its hash id appeared in an earlier request "
-                          "of the same conversation (parent and sub-agents share its ids), "
-                          "requests in file order; ratio = hit blocks / full blocks",
+                          "of its own session or, for a sub-agent, of its parent before the "
+                          "spawn (file order); hit blocks / full blocks",
         }
 
     def __len__(self) -> int:
