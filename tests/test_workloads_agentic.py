@@ -448,3 +448,61 @@ def test_warm_cache_primes_only_the_shared_tool_and_system_prefix(tmp_path):
     assert second.shared_prefix_tokens > first.shared_prefix_tokens > 0
     primed = shared_prefixes(wl, TOK)
     assert len(primed) == 1 and TOK.count(primed[0]) == first.shared_prefix_tokens
+
+
+# -- a HuggingFace tokenizer with its own chat template --------------------------------------
+
+HF_TEMPLATE = ("{{ bos_token }}\n"
+               "{% for m in messages %}\n"
+               "    <|{{ m['role'] }}|> {{ m['content'] }}\n"
+               "{% endfor %}\n"
+               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory):
+    """A word-level tokenizer with BOS added by its post-processor and rendered by its chat
+    template (built here, no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from kvbench.workloads.tokenizer import HFTokenizer, _builtin_vocabulary
+
+    d = tmp_path_factory.mktemp("hf")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|user|>": 3, "<|assistant|>": 4}
+    vocab.update({w: i for i, w in enumerate(_builtin_vocabulary()[:300], len(vocab))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": HF_TEMPLATE}))
+    return HFTokenizer(d / "tokenizer.json")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(doc=conversation(), api=st.sampled_from(["chat", "completions"]))
+def test_blocks_align_under_a_models_chat_template(tmp_path_factory, hf_tok, doc, api):
+    d = tmp_path_factory.mktemp("ag")
+    (d / "c0.json").write_text(json.dumps(doc))
+    wl = build_spec("ag", TraceSpec(format="agentic", path=str(d), api=api), hf_tok, 0)
+    assert (wl.head, wl.tail) == ((2, 1) if api == "chat" else (1, 0))  # BOS, role; asst
+    bs = doc["block_size"]
+    reqs = [x for x in drain(next(wl.sessions())) if isinstance(x, Request)]
+    recs = flat_records(doc)
+    toks = []
+    for (_, rec), r in zip(recs, reqs):
+        ids = hf_tok.encode(hf_tok.render_chat(r.messages)) if api == "chat" \
+            else hf_tok.encode_prompt(r.prompt)
+        assert r.prompt_tokens == len(ids)
+        assert r.prompt_tokens == max(rec["in"], len(rec["hash_ids"]) * bs + wl.tail,
+                                      wl.head + wl.tail + 1)
+        toks.append(blocks(ids, bs))
+    for i in range(len(recs)):
+        for j in range(i):
+            a, b = recs[i][1]["hash_ids"], recs[j][1]["hash_ids"]
+            c = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            assert toks[i][:c] == toks[j][:c]
+            if c < len(a) and c < len(b):
+                assert toks[i][c] != toks[j][c]
