@@ -134,7 +134,12 @@ def test_generated_conversation_round_trips(tmp_path_factory, doc, api):
     assert len(reqs) == len(recs) == len(wl)
     tail = wl.tail
     toks = []
+    prev_key = -1
+    prev_of: dict = {}  # the session's previous record (none after a spawn)
     for (key, rec), r in zip(recs, reqs):
+        if key >= 0 and key != prev_key:
+            prev_of.pop(-1, None)
+        prev_key = key
         sent = server_tokens(r)
         toks.append(sent)
         assert r.prompt_tokens == len(sent)
@@ -149,7 +154,9 @@ def test_generated_conversation_round_trips(tmp_path_factory, doc, api):
         if key >= 0:
             assert r.parent_session_id == f"ag-{doc['id']}"
             assert r.session_id == f"ag-{doc['id']}-s{key}"
-        assert r.api_time_s == rec.get("api_time")
+        prev = prev_of.get(key)
+        assert r.api_time_s == (None if prev is None else prev.get("api_time"))
+        prev_of[key] = rec
         assert r.think_time_s >= 0
     # equal hash-id prefixes give exactly that many equal blocks, and no more
     for i in range(len(recs)):
@@ -266,7 +273,9 @@ def test_spawn_groups_overlapping_subagents_and_think_times(tmp_path):
     assert sp1.think_time_s == pytest.approx((10 - 2.0) / 2)  # from the answer's end, scaled
     kids = [k.next_request() for k in sp1.sessions]
     assert [k.subagent_index for k in kids] == [0, 1]
-    assert [k.conversation_offset_s for k in kids] == [10, 20]
+    assert [k.conversation_offset_s for k in kids] == [0, 10]  # from the Spawn's start
+    assert [k.arrival_offset_s for k in kids] == [5, 10]  # from the conversation's, scaled
+    assert kids[0].api_time_s is None
     assert all(k.parent_session_id == "ag-c" for k in kids)
     sp2 = s.next_request()
     assert isinstance(sp2, Spawn) and len(sp2.sessions) == 1

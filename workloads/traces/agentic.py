@@ -10,8 +10,12 @@ Sessions. A conversation is a session; its sub-agent entries become ``Spawn``s o
 (``parent_session_id`` and ``subagent_index``, the sub-agent's order in the conversation, set on
 their requests). Consecutive sub-agent entries whose recorded runs overlap (an entry starting
 before the group's last recorded end, ``t + duration_ms``) form one ``Spawn``; the parent waits
-for all of it. Sub-agent times are recorded from the sub-agent's start, so a sub-agent
-request's ``conversation_offset_s`` is its entry's ``t`` plus its own ``t``.
+for all of it. ``conversation_offset_s`` counts from the session's start, which for a
+sub-agent is its Spawn's start (a later sibling's requests keep its recorded stagger: its
+entry's ``t`` less the first sibling's, plus its own ``t``, recorded from its own start);
+``arrival_offset_s`` (the open-loop replay, every conversation from 0) from the
+conversation's start. ``api_time_s`` is the session's previous answer's recorded
+``api_time`` (None for a session's first request and the first after a ``Spawn``).
 
 Think times (``think_time_s``, divided by ``speedup``). The trace's ``think_time`` where present
 (it is the gap from the previous answer's end, ``t - (t_prev + api_time_prev)``); where absent,
@@ -78,8 +82,9 @@ class TraceRequest:
     n_out: int
     ids: list
     think_s: float  # the wait before sending it (see the module docstring)
-    api_s: float | None  # recorded server time of this request's answer
-    offset_s: float  # from the conversation's start
+    api_s: float | None  # recorded server time of the session's previous answer
+    offset_s: float  # from the conversation's start (the open-loop arrival)
+    session_offset_s: float  # from the session's start (a sub-agent's: its Spawn's start)
     known: int = 0  # leading blocks the conversation sent before (file order)
 
 
@@ -160,11 +165,15 @@ class _Parser:
         return (_int(_get(rec, "tool_tokens", where), f"{dot}tool_tokens", 0)
                 + _int(_get(rec, "system_tokens", where), f"{dot}system_tokens", 0))
 
-    def _session(self, reqs, where: str, sess: SubSession, base_s: float, prefix: dict) -> None:
+    def _session(self, reqs, where: str, sess: SubSession, base_s: float, prefix: dict,
+                 rel_s: float = 0.0) -> None:
+        """``base_s``: the session's start from the conversation's; ``rel_s``: from its
+        Spawn's start (a later sibling's recorded stagger)."""
         if not isinstance(reqs, list) or not reqs:
             raise BadFile(f"{where} is {shown(reqs)}, not a non-empty list of requests")
         prev_end: float | None = None  # end of the previous answer (or spawn group)
         prev_t: float | None = None
+        prev_api: float | None = None
         after_spawn = False
         group: SpawnGroup | None = None
         group_end = -math.inf
@@ -187,16 +196,19 @@ class _Parser:
                     self._prefix(rec, w)
                 sub = SubSession(SUB, self.n_subs)
                 self.n_subs += 1
-                self._session(_get(rec, "requests", w), f"{w}.requests", sub, base_s + t, prefix)
                 if group is None or t >= group_end:
                     gap = t - (prev_end if prev_end is not None else prev_t or 0.0)
                     group = SpawnGroup(max(gap, 0.0), [])
+                    group_t0 = t
                     sess.items.append(group)
                     group_end = -math.inf
+                self._session(_get(rec, "requests", w), f"{w}.requests", sub, base_s + t, prefix,
+                              t - group_t0)
                 group.subs.append(sub)
                 group_end = max(group_end, t + dur_s)
                 prev_end = group_end if math.isfinite(group_end) else t
                 prev_t = t
+                prev_api = None
                 after_spawn = True
                 continue
             group = None
@@ -226,9 +238,10 @@ class _Parser:
                 think_s = max(t - (prev_end if prev_end is not None else prev_t), 0.0)
                 self.think_sources["gap_api_time" if prev_end is not None else "gap_t"] += 1
             sess.items.append(TraceRequest(t, kind == "s", n_in, n_out, ids[:full], think_s,
-                                           api_s, base_s + t))
+                                           prev_api, base_s + t, rel_s + t))
             self.n_requests += 1
             prev_t = t
+            prev_api = api_s
             prev_end = t + api_s if api_s is not None else None
             after_spawn = False
 
@@ -460,7 +473,7 @@ class AgenticTrace(TraceWorkload):
             think_time_s=r.think_s / self.spec.speedup, workload=self.name, stream=r.stream,
             prefix_from_responses=r.known > shared_run,
             parent_session_id=parent, subagent_index=sess.index,
-            conversation_offset_s=r.offset_s, api_time_s=r.api_s,
+            conversation_offset_s=r.session_offset_s, api_time_s=r.api_s,
             min_tokens=max_tokens if self.spec.min_tokens else 0)
 
     # -- the workload interface ------------------------------------------------------------
