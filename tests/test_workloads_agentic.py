@@ -515,3 +515,34 @@ def test_blocks_align_under_a_models_chat_template(tmp_path_factory, hf_tok, doc
             assert toks[i][:c] == toks[j][:c]
             if c < len(a) and c < len(b):
                 assert toks[i][c] != toks[j][c]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(doc=conversation(), engine_block=st.sampled_from([8, 16, 32]))
+def test_describe_sent_from_hash_ids_equals_tokenizing_the_prompts(tmp_path_factory, doc,
+                                                                  engine_block):
+    """A run's report names the sent requests' blocks from the hash ids; what it finds is what
+    tokenizing the very prompts finds (full trace blocks hit alike, the text after the last
+    one is each request's own)."""
+    from kvbench.workloads.describe import describe_sent
+
+    if doc["block_size"] % engine_block:
+        return
+    d = tmp_path_factory.mktemp("ag")
+    (d / "c0.json").write_text(json.dumps(doc))
+    wl = load(d)
+    reqs = list(wl.requests())
+    ids = [r.request_id for r in reqs] + ["ag-nope-t0000"]
+    fast = describe_sent(wl, ids, block_tokens=engine_block)
+
+    class Plain:  # the same requests, without sent_blocks: tokenized
+        tokenizer = TOK
+
+        def requests(self):
+            return iter(reqs)
+
+    slow = describe_sent(Plain(), ids, block_tokens=engine_block)
+    for key in ("requests", "unmatched", "total_prompt_tokens"):
+        assert fast[key] == slow[key]
+    assert fast["unique_tokens"] == slow["unique_tokens"]
+    assert fast["theoretical_hit_ratio_unbounded"] == slow["theoretical_hit_ratio_unbounded"]

@@ -215,7 +215,8 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
     requests the same way can reach). Adds requests_sent, unmatched (count) and
     unmatched_examples. Streams: the workload is walked forward once, holding only requests
     met before their first use, and each distinct prompt is tokenized once (its block keys
-    kept only until its last repeat).
+    kept only until its last repeat). A workload with ``sent_blocks`` (agentic traces) names
+    each request's blocks from its hash ids instead, without building or tokenizing text.
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
@@ -259,8 +260,15 @@ def describe_sent(workload, sent_ids, *, replicas=None, block_tokens: int = 16,
     classes: Counter = Counter()
     missing: list = []
     last_arrival = None
+    from_ids = getattr(workload, "sent_blocks", None)
     for k, base in enumerate(bases):
         got = summary_of.get(base)
+        if got is None and from_ids is not None:
+            got = from_ids(base, block_tokens)
+            if got is None:
+                left[base] -= 1
+                missing.append(sent_ids[k])
+                continue
         if got is None:
             r = first_use(base)
             if r is None:

@@ -383,6 +383,7 @@ class AgenticTrace(TraceWorkload):
         self.head, self.tail = _template_edges(self.asm, self.text, spec.api)
         self._blocks: OrderedDict = OrderedDict()
         self._pool: list[str] | None = None
+        self._by_id: dict | None = None  # request id -> (conversation, request), when asked
 
     # -- prompts ---------------------------------------------------------------------------
 
@@ -512,6 +513,34 @@ class AgenticTrace(TraceWorkload):
             conv, _, r = self._flat[i]
             yield (r.n_in, self._max_tokens(r.n_out),
                    [self.block_key(conv, h) for h in r.ids], conv.block)
+
+    def sent_blocks(self, request_id: str, block_tokens: int):
+        """What ``describe_sent`` needs of a sent request, from the hash ids and without its
+        text: (prompt tokens, keys of its full ``block_tokens`` engine blocks, max_tokens,
+        class, shared prefix tokens, arrival), or None for an id not of this trace. An
+        engine block is named by the trace block holding its last token and its index (trace
+        ids are chained, so that names its whole prefix); blocks past the last full trace
+        block never hit (their text is the request's own)."""
+        if self._by_id is None:
+            self._by_id = {}
+            for conv in self.conversations:
+                turns: dict = {}
+                for sess, r in walk(conv.main):
+                    base = f"{self.name}-{conv.cid}"
+                    sid = base if sess.index < 0 else f"{base}-s{sess.index}"
+                    k = turns[sid] = turns.get(sid, -1) + 1
+                    self._by_id[f"{sid}-t{k:04d}"] = (conv, r)
+        got = self._by_id.get(request_id)
+        if got is None:
+            return None
+        conv, r = got
+        bt = conv.block
+        keys64 = [self.block_key(conv, h) for h in r.ids]
+        keys = [(keys64[((i + 1) * block_tokens - 1) // bt], i)
+                for i in range(len(r.ids) * bt // block_tokens)]
+        n = max(r.n_in, len(r.ids) * bt + self.tail, self.head + self.tail + 1)
+        return (n, keys, self._max_tokens(r.n_out), self.request_class, 0,
+                r.offset_s / self.spec.speedup)
 
     def describe_agentic(self) -> dict:
         """Conversations, requests, sub-agents, context growth and the theoretical
