@@ -546,3 +546,24 @@ def test_describe_sent_from_hash_ids_equals_tokenizing_the_prompts(tmp_path_fact
         assert fast[key] == slow[key]
     assert fast["unique_tokens"] == slow["unique_tokens"]
     assert fast["theoretical_hit_ratio_unbounded"] == slow["theoretical_hit_ratio_unbounded"]
+
+
+def test_hash_id_scope_and_repeated_ids(tmp_path):
+    """"local" ids name blocks within their file (equal ids in two files differ), "global"
+    ones across the files; two files with one id stay two sessions."""
+    def write(name, cid, scope):
+        doc = {"id": cid, "block_size": 8, "tool_tokens": 0, "system_tokens": 0,
+               "hash_id_scope": scope,
+               "requests": [{"t": 0, "type": "s", "in": 24, "out": 1, "hash_ids": [7, 8, 9]}]}
+        (tmp_path / name).write_text(json.dumps(doc))
+
+    for scope, equal in (("local", False), ("global", True)):
+        write("a.json", "x", scope)
+        write("b.json", "x", scope)
+        wl = load(tmp_path)
+        ra, rb = (s.next_request() for s in wl.sessions())
+        assert ra.session_id != rb.session_id
+        assert (blocks(server_tokens(ra), 8) == blocks(server_tokens(rb), 8)) is equal
+    write("a.json", "x", "galactic")
+    with pytest.raises(UserError, match="a.json: hash_id_scope"):
+        load(tmp_path)

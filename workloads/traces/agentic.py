@@ -111,6 +111,7 @@ class Conversation:
     prefix_blocks: dict  # agent -> full prefix blocks (tool + system tokens) // block
     n_requests: int = 0
     n_subs: int = 0
+    scope: str = ""  # what block ids are keyed by beside themselves: the id for "local" scope
 
 
 def _num(v, where: str, lo: float = 0.0, hi: float = MAX_SPAN_S) -> float:
@@ -147,6 +148,10 @@ class _Parser:
         if not isinstance(cid, str) or not cid or len(cid) > 256:
             raise BadFile(f"id is {shown(cid)}, not a string of 1 to 256 characters")
         self.block = _int(doc.get("block_size", 64), "block_size", 1, 65536)
+        scope = doc.get("hash_id_scope", "local")
+        if scope not in ("local", "global"):
+            raise BadFile(f"hash_id_scope is {shown(scope)}, not \"local\" (ids name blocks "
+                          "within the file) or \"global\" (across the trace's files)")
         prefix = {MAIN: self._prefix(doc, "")}
         reqs = _get(doc, "requests", "")
         main = SubSession(MAIN, -1)
@@ -156,7 +161,7 @@ class _Parser:
         canon: dict = {}
         conv = Conversation(cid, self.path, self.block, main, canon,
                             {a: p // self.block for a, p in prefix.items()},
-                            self.n_requests, self.n_subs)
+                            self.n_requests, self.n_subs, cid if scope == "local" else "")
         self._canon_and_known(conv)
         return conv
 
@@ -340,6 +345,7 @@ class AgenticTrace(TraceWorkload):
         self.think_sources = dict.fromkeys(("trace", "gap_api_time", "gap_t", "after_spawn"), 0)
         bad_first = None
         n_req = 0
+        seen_ids: set = set()
         for f in files:
             if spec.conversations is not None and len(self.conversations) >= spec.conversations:
                 break
@@ -364,6 +370,10 @@ class AgenticTrace(TraceWorkload):
                 continue
             for k, v in p.think_sources.items():
                 self.think_sources[k] += v
+            if conv.cid in seen_ids:  # two files, one id: each keeps its own sessions
+                conv.cid = f"{conv.cid}~{f.stem}"
+                conv.scope = conv.scope and conv.cid
+            seen_ids.add(conv.cid)
             self.conversations.append(conv)
             n_req += conv.n_requests
         if self.skipped_lines:
@@ -401,7 +411,7 @@ class AgenticTrace(TraceWorkload):
         c = conv.canon.get(h)
         if c is not None and c[1] < self._shared_blocks(conv, c[0]):
             return ("prefix", c[0], c[1])
-        return (conv.cid, h)
+        return (conv.scope, h)
 
     def block_text(self, conv: Conversation, j: int, h: int) -> str:
         """The content of block ``j`` (id ``h``): ``block`` tokens, less the template's
