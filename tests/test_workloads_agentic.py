@@ -299,6 +299,12 @@ def test_min_tokens_and_limits(tmp_path):
     r = next(load(tmp_path, min_tokens=True, max_output_tokens=9).requests())
     assert r.max_tokens == r.min_tokens == 9
     assert len(load(tmp_path, conversations=2).conversations) == 2
+    orders = {tuple(x.session_id for x in build_spec(
+        "ag", TraceSpec(format="agentic", path=str(tmp_path)), TOK, seed).sessions())
+        for seed in range(6)}
+    assert len(orders) > 1 and all(sorted(o) == ["ag-c0", "ag-c1", "ag-c2"] for o in orders)
+    assert [x.session_id for x in load(tmp_path).sessions()] == \
+        [x.session_id for x in load(tmp_path).sessions()]  # the same seed, the same order
     assert guess_format(tmp_path) == "agentic" and guess_format(tmp_path / "c0.json") == "agentic"
     with pytest.raises(ValueError, match="agentic"):
         TraceSpec(format="mooncake", path="x", shared_prefix=0.5)

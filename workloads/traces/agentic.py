@@ -17,6 +17,9 @@ entry's ``t`` less the first sibling's, plus its own ``t``, recorded from its ow
 conversation's start. ``api_time_s`` is the session's previous answer's recorded
 ``api_time`` (None for a session's first request and the first after a ``Spawn``).
 
+Users recycle the conversations in a seeded order (``sessions()``; ``conversations = N``
+keeps the first N files).
+
 Think times (``think_time_s``, divided by ``speedup``). The trace's ``think_time`` where present
 (it is the gap from the previous answer's end, ``t - (t_prev + api_time_prev)``); where absent,
 that gap computed from ``t`` and ``api_time`` (or ``t - t_prev`` without ``api_time``); after a
@@ -59,6 +62,7 @@ import orjson
 
 from kvbench.core.errors import UserError
 from kvbench.workloads.base import Request, Spawn
+from kvbench.workloads.common import rng_for
 from kvbench.workloads.prompt import Piece
 from kvbench.workloads.specs import MAX_SECONDS, MAX_TOKENS
 from kvbench.workloads.text import key_seed
@@ -490,7 +494,11 @@ class AgenticTrace(TraceWorkload):
     # -- the workload interface ------------------------------------------------------------
 
     def sessions(self) -> Iterator[AgenticSession]:
-        return (AgenticSession(self, c, c.main) for c in self.conversations)
+        """The conversations in a seeded order (the suite's or the table's seed), which
+        users recycle."""
+        order = rng_for(self.seed, self.name, "sessions").permutation(len(self.conversations))
+        return (AgenticSession(self, self.conversations[i], self.conversations[i].main)
+                for i in order.tolist())
 
     def build_request(self, i: int) -> Request:
         conv, sess, r = self._flat[i]
