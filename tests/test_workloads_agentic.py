@@ -573,3 +573,27 @@ def test_hash_id_scope_and_repeated_ids(tmp_path):
     write("a.json", "x", "galactic")
     with pytest.raises(UserError, match="a.json: hash_id_scope"):
         load(tmp_path)
+
+
+def test_cli_describe_small_folder_and_shared_prefix_option(tmp_path, capsys):
+    from kvbench.cli import main
+
+    doc = {"id": "c", "block_size": 8, "tool_tokens": 8, "system_tokens": 8, "requests": [
+        {"t": 0, "type": "s", "in": 24, "out": 1, "hash_ids": [1, 2, 3]},
+        {"t": 5, "type": "n", "in": 32, "out": 1, "hash_ids": [1, 2, 3, 4]}]}
+    for k in range(2):
+        (tmp_path / f"c{k}.json").write_text(json.dumps({**doc, "id": f"c{k}"}))
+    args = ["workloads", "describe", str(tmp_path), "--json", "--config", "/nonexistent"]
+    got = {}
+    for opt in ("shared", "per_conversation", "0.5"):
+        assert main(args + ["--shared-prefix", opt]) == 0
+        got[opt] = json.loads(capsys.readouterr().out)[str(tmp_path)]
+    a = got["shared"]["agentic"]
+    assert (a["conversations"], a["requests"], a["blocks"], a["block_hits"]) == (2, 4, 14, 6)
+    # the second conversation's 2 prefix blocks hit only when shared (1 when half of it is)
+    hits = {k: v["total_prompt_tokens"] - v["unique_tokens"] for k, v in got.items()}
+    assert hits["shared"] - hits["per_conversation"] == 2 * 8
+    assert hits["0.5"] - hits["per_conversation"] == 8
+    assert main(args + ["--shared-prefix", "1.5"]) != 0
+    assert "--shared-prefix '1.5' is not shared, per_conversation or a fraction" in \
+        capsys.readouterr().err
