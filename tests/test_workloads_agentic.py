@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -435,6 +436,19 @@ def test_bakeoff_sim_replays_agentic_sessions(tmp_path):
     assert convs[1][0][3][:4] == first[3][:4]  # the shared tool/system block
     assert convs[1][0][3][4] != first[3][4]  # the conversation's own block
     assert last[7] is False and first[7] is True
+    # the recorded offsets, never before the previous answer: sub-agents overlap, the parent
+    # waits for both; non-streaming requests have no TTFT
+    rows = bakeoff_sim.run_sessions("colocated", {"max_num_seqs": 4, "replicas": 1},
+                                    convs[:1], 1, 10.0, 1, replay="timestamps")
+    ts = [r["t"] for r in rows[:5]]
+    assert len(rows) >= 5 and all(r["ok"] for r in rows)
+    assert ts[0] == pytest.approx(0, abs=0.01) and min(ts[1:4]) >= 3 - 1e-9 and ts[4] >= 9
+    subs = rows[1:4]
+    # sub-agent 0 at 3 and 3 + 1, sub-agent 1 at 4: both at 4 at once (run one after the
+    # other, the second would wait for the first's answer)
+    assert sorted(ts[1:4]) == pytest.approx([3, 4, 4], abs=1e-6)
+    assert ts[4] >= max(r["t"] + r["e2e_ms"] / 1e3 for r in subs) - 1e-9
+    assert np.isnan(rows[4]["ttft_ms"]) and not np.isnan(rows[0]["ttft_ms"])
     p = subprocess.run(
         [sys.executable, str(root / "bench" / "bakeoff_sim.py"), "--config", str(cfg),
          "--workload", "ag", "--topologies", "colocated", "--users", "1,3", "--seconds",
