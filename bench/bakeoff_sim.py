@@ -46,12 +46,24 @@ default's colocated is one replica), ``--options`` over them; ``--warm`` primes 
 prefix before each run, as ``cache = "warm"`` does. The harness (the fixed-rate run, the
 per-class judgement, the bisection, the seeds' summary) is the product's
 ``kvbench.runs.virtual``, which ``kvbench predict`` runs too; this file builds the workload,
-drives the two modes and prints.
+drives the modes and prints.
+
+An agentic-coding trace workload (``kind = "trace"``, ``format = "agentic"``) is replayed as
+sessions, not at a rate: ``--users`` concurrent users (2,4,8,16) each replay one conversation
+at a time (a seeded order, recycled), sub-agents concurrently with their parent waiting,
+``--replay think`` (after the previous answer plus the recorded think time) or ``timestamps``
+(the recorded offsets, never before the previous answer), times divided by ``--time-scale``
+(10). Per count: the attainment (TTFT judged on streaming requests only: a non-streaming
+one has none), p99 TTFT and TPOT and the engines' prefix hit ratio; then the most sessions at
+``--target``. Over 400 lines: the session replay shares the workload build and the judgement.
+
+    python bench/bakeoff_sim.py --config my.toml --workload agentic --users 4,8,16,32
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
@@ -62,6 +74,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -117,6 +130,9 @@ def load(config: Path, workload: str, warm: bool) -> tuple[list[tuple], dict, li
     tok = get_tokenizer("builtin")
     built = job.build_workload(tok)
     out = []
+    if hasattr(built, "describe_agentic"):  # sessions, replayed by run_sessions
+        return sim_sessions(built), {k: s.limits() for k, s in job.slo.items()}, \
+            ([] if warm else None)
     for req in built.requests():
         text = req.prompt if req.messages is None else tok.render_chat(list(req.messages))
         tokens = tok.tokens(text)
@@ -129,6 +145,117 @@ def load(config: Path, workload: str, warm: bool) -> tuple[list[tuple], dict, li
             tokens = tok.tokens(text)
             prime.append((len(tokens), block_hashes(tokens, 16)))
     return out, slo, prime
+
+
+def sim_sessions(built, block: int = 16) -> list[tuple]:
+    """An agentic trace's conversations for the sim, without prompt text: a session is a
+    tuple of ("req", class, prompt tokens, block hashes, max tokens, think s, offset s,
+    stream) and ("spawn", think s, [sessions]) in the reader's seeded session order, with its
+    think times and Spawn groups (what ``Session.next_request`` yields). Each 64-token block of the trace
+    is ``64 / block`` engine blocks hashed from the reader's block key (equal ids, equal
+    hashes, chained), the tail after the last full block one fresh hash per engine block."""
+    from kvbench.workloads.traces.agentic import SpawnGroup
+
+    def one(conv, sess, sid):
+        items = []
+        for k, x in enumerate(sess.items):
+            if isinstance(x, SpawnGroup):
+                items.append(("spawn", x.think_s, [one(conv, s, f"{sid}-s{s.index}")
+                                                   for s in x.subs]))
+                continue
+            h, hashes = 0, []
+            for key in (built.block_key(conv, i) for i in x.ids):
+                for q in range(conv.block // block):
+                    h = hash((h, key, q))
+                    hashes.append(h)
+            for q in range((x.n_in - len(x.ids) * conv.block) // block):
+                h = hash((h, sid, k, q))
+                hashes.append(h)
+            items.append(("req", "trace", x.n_in, hashes, built._max_tokens(x.n_out),
+                          x.think_s, x.offset_s, x.stream))
+        return items
+
+    return [one(s.conv, s.sess, s.conv.cid) for s in built.sessions()]
+
+
+def run_sessions(topology: str, options: dict, convs: list, users: int, seconds: float,
+                 seed: int, replay: str = "think", time_scale: float = 1.0) -> list[dict]:
+    """A closed-loop agentic replay from an empty cache: ``users`` concurrent users, each
+    replaying one conversation at a time (``convs`` in order from a seeded start, recycled)
+    until ``seconds``. A
+    request is sent after its session's previous answer plus the think time ("think"), or
+    at the conversation's start plus its recorded offset but never before the previous
+    answer ("timestamps"); times divided by ``time_scale``. A Spawn starts its sub-agent
+    sessions together and the parent waits for all of them. Non-streaming requests have no
+    TTFT (NaN), as a client sees them."""
+    loop = virtual.VirtualLoop()
+    res = validate_options(topology, options).resolved()
+    if res.cfg.block_tokens != 16:
+        raise SystemExit("the sim hashes 16-token blocks; the endpoint uses another size")
+    start = int(np.random.default_rng(seed).integers(len(convs)))
+    src = itertools.cycle(convs[start:] + convs[:start])
+    rows: list[dict] = []
+    t0 = 0.0
+    n = itertools.count()
+
+    async def session(items, start: float) -> None:
+        for it in items:
+            if loop.time() - t0 >= seconds:
+                return
+            if it[0] == "spawn":
+                await asyncio.sleep(it[1] / time_scale)
+                await asyncio.gather(*(session(s, start) for s in it[2]))
+                continue
+            _, cls, n_prompt, hashes, max_tokens, think, offset, stream = it
+            when = loop.time() + think / time_scale if replay == "think" else \
+                max(loop.time(), start + offset / time_scale)
+            if when > loop.time():
+                await asyncio.sleep(when - loop.time())
+            t = loop.time()
+            seq = Seq(f"r{next(n)}", n_prompt, hashes, max_tokens, t)
+            row = {"class": cls, "t": t - t0, "ttft_ms": np.nan, "tpot_ms": np.nan,
+                   "e2e_ms": np.nan, "ok": False, "stream": stream, "n_prompt": n_prompt,
+                   "cached": 0}
+            rows.append(row)
+            seq.sink = virtual._quiet  # times are read when it finishes
+            await cluster.submit(seq, None, None)
+            await wait(seq, lambda: seq.finished)
+            row["e2e_ms"] = (loop.time() - t) * 1e3
+            if seq.t_first is not None and stream:
+                row["ttft_ms"] = (seq.t_first - t) * 1e3
+            if seq.generated > 1 and seq.t_first is not None:
+                row["tpot_ms"] = (loop.time() - seq.t_first) * 1e3 / (seq.generated - 1)
+            row["ok"] = seq.error is None
+            row["cached"] = seq.cached_tokens
+
+    async def user() -> None:
+        while loop.time() - t0 < seconds:
+            await session(next(src), loop.time())
+
+    async def main() -> None:
+        nonlocal t0
+        cluster.start()
+        t0 = loop.time()
+        await asyncio.gather(*(user() for _ in range(users)))
+        await cluster.stop()
+
+    cluster = Cluster(res)
+    loop.run_until_complete(main())
+    loop.close()
+    return rows
+
+
+def session_table(rows: list[dict], slo: dict, warmup_s: float) -> dict:
+    """Per class as ``table`` judges, TTFT only where a request streamed (a non-streaming one
+    has none by design), with the engines' prefix hit ratio (cached over prompt tokens)."""
+    out = table([r if r["stream"] else {**r, "ttft_ms": 0.0} for r in rows], slo, warmup_s)
+    for cls, x in out.items():
+        rs = [r for r in rows if r["class"] == cls and r["t"] >= warmup_s]
+        ttft = np.array([r["ttft_ms"] for r in rs if r["stream"]], dtype=float)
+        x["ttft_p99"] = float(np.nanpercentile(ttft, 99)) if np.isfinite(ttft).any() \
+            else float("nan")
+        x["hit"] = sum(r["cached"] for r in rs) / max(1, sum(r["n_prompt"] for r in rs))
+    return out
 
 
 class MixBackend(SimBackend):
@@ -273,6 +400,29 @@ def precise(a, topologies: list[str], opts: dict[str, dict], gpus: dict[str, int
             "seeds": seeds, "cpu_s": cpu, "wall_s": wall, "topologies": res}
 
 
+def agentic_grid(a, convs: list, slo: dict, topologies: list[str], opts: dict,
+                 gpus: dict) -> None:
+    """Per topology, each --users count replayed for --seconds: attainment, p99 TTFT
+    (streaming requests) and the engine's prefix hit ratio; the most users at --target."""
+    users = [int(x) for x in a.users.split(",")]
+    print(f"sessions: {len(convs)} conversations, replay {a.replay}, times / {a.time_scale:g}")
+    for topo in topologies:
+        print(f"\n{topo} ({gpus[topo]} GPUs)\n  users  requests    att  ttft99 ms  "
+              "tpot99 ms   hit")
+        points = []
+        for u in users:
+            t = session_table(run_sessions(topo, opts[topo], convs, u, a.seconds, a.seed, a.replay,
+                                   a.time_scale), slo, a.warmup_s)
+            points.append((float(u), t))
+            x = t.get("trace")
+            print("  -" if x is None else
+                  f"  {u:5d}  {x['n']:8d}  {x['att']:.3f}  {x['ttft_p99']:9.0f}  "
+                  f"{x['tpot_p99']:9.0f}  {x['hit']:.3f}", flush=True)
+        cap, why = capacity(points, a.target)
+        print(f"  sessions at {a.target:.0%}: {'%.1f' % cap if cap is not None else 'n/a'}; "
+              f"breaks first: {why}", flush=True)
+
+
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -315,6 +465,14 @@ def main(argv: list[str] | None = None) -> None:
                          "(offloaded=12,colocated=6); default: the grid's estimate")
     ap.add_argument("--jobs", type=int, default=2, help="--precise: processes")
     ap.add_argument("--json", default=None, metavar="PATH", help="--precise: write results")
+    ap.add_argument("--users", default="2,4,8,16",
+                    help="agentic traces: the concurrent users (sessions) tried, in place of "
+                         "--rates")
+    ap.add_argument("--replay", choices=("think", "timestamps"), default="think",
+                    help="agentic traces: send after the previous answer plus the think time, "
+                         "or at the recorded offsets (never before the previous answer)")
+    ap.add_argument("--time-scale", type=float, default=10.0,
+                    help="agentic traces: think times and offsets divided by this")
     a = ap.parse_args(argv)
     if a.seconds is None:
         a.seconds = 300.0 if a.precise else 120.0
@@ -326,10 +484,14 @@ def main(argv: list[str] | None = None) -> None:
     if prime:
         print(f"warm: {len(prime)} shared prefixes, {sum(n for n, _ in prime):,} tokens, "
               "primed before each run")
-    classes = sorted({r[0] for r in reqs})
+    sessions = bool(reqs) and isinstance(reqs[0], list)  # an agentic trace's conversations
+    if sessions and (a.precise or a.search or a.warm):
+        raise SystemExit("an agentic trace replays sessions on the --users grid; --precise, "
+                         "--search and --warm are for request workloads")
+    classes = ["trace"] if sessions else sorted({r[0] for r in reqs})
     judged = (f"{a.seconds:g} s judged per rate after {a.warmup_s:g} s" if a.precise else
               f"{a.seconds:g} s per rate, first {a.warmup_s:g} s not judged")
-    print(f"{a.workload}: {len(reqs)} requests, classes {', '.join(classes)}; SLOs {slo}; "
+    print(f"{a.workload}: {len(reqs)} {'conversations' if sessions else 'requests'}, classes {', '.join(classes)}; SLOs {slo}; "
           f"{judged}", flush=True)
     own = {}  # each topology's options as the config's first built-in endpoint of it sets them
     for ep in load_config(Path(a.config)).endpoints:
@@ -354,6 +516,8 @@ def main(argv: list[str] | None = None) -> None:
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
             print(f"wrote {a.json}")
         return
+    if sessions:
+        return agentic_grid(a, reqs, slo, topologies, opts, gpus)
     rates = [float(x) for x in a.rates.split(",")]
     for topo in topologies:
         options = opts[topo]
