@@ -612,3 +612,81 @@ def test_cli_describe_small_folder_and_shared_prefix_option(tmp_path, capsys):
     assert main(args + ["--shared-prefix", "1.5"]) != 0
     assert "--shared-prefix '1.5' is not shared, per_conversation or a fraction" in \
         capsys.readouterr().err
+
+
+# -- end to end: the reader's sessions through the real driver and the built-in endpoint -----
+
+def test_replay_through_locust_hits_exactly_the_blocks_the_ids_share(tmp_path):
+    """A real Locust run of a config's agentic workload against the built-in endpoint: every
+    request carries its session's header, sub-agents their parent, the non-streaming turn
+    goes without streaming, the server counts the trace's input lengths, and its cache finds
+    exactly the blocks whose hash ids were sent before (the theoretical hit, per request)."""
+    import subprocess
+    import sys
+
+    from kvbench.core.store import read_table
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    from kvbench_cli import tiny_chat_config
+
+    d = tmp_path / "traces"
+    d.mkdir()
+    sub = {"t": 0, "type": "s", "in": 300, "out": 5, "hash_ids": [90, 91, 92, 93],
+           "think_time": 0}
+    doc = {"id": "c0", "block_size": 64, "tool_tokens": 64, "system_tokens": 64, "requests": [
+        {"t": 0, "type": "s", "in": 400, "out": 8, "hash_ids": [1, 2, 3, 4, 5, 6],
+         "api_time": 0.2},
+        {"t": 1, "type": "subagent", "tool_tokens": 0, "system_tokens": 128,
+         "duration_ms": 2000, "requests": [
+             sub, {**sub, "t": 0.5, "in": 400, "hash_ids": [90, 91, 92, 93, 94, 95]}]},
+        {"t": 1.2, "type": "subagent", "tool_tokens": 0, "system_tokens": 128,
+         "requests": [sub]},
+        {"t": 4, "type": "n", "in": 500, "out": 8, "hash_ids": [1, 2, 3, 4, 5, 6, 7],
+         "think_time": 0.3}]}
+    (d / "c0.json").write_text(json.dumps(doc))
+    cfg = tmp_path / "bench.toml"
+    closed = '[profiles.p]\npacing = "closed"\nstages = [{ users = 1, duration_s = 60 }]\n'
+    cfg.write_text(tiny_chat_config("tiny", 4, closed, 500.0)
+                   .replace("@RESULTS@", str(tmp_path / "results"))
+                   + f'\n[workloads.ag]\nkind = "trace"\nformat = "agentic"\npath = "{d}"\n')
+    log = tmp_path / "requests.log"
+    srv = subprocess.Popen([sys.executable, str(root / "tests" / "agentic_sessions.py"),
+                            json.dumps({"time_scale": 0.1}), str(log)], cwd=root,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = srv.stdout.readline()
+        assert "listening on" in line, line + srv.stderr.read()
+        url = line.split("listening on", 1)[1].strip()
+        p = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", "loadgen/job.py", "--headless", "--host",
+             url, "-u", "1", "-r", "1", "-t", "90s", "--only-summary", "--kvbench-config",
+             str(cfg), "--kvbench-workload", "ag", "--kvbench-requests", "5",
+             "--kvbench-results", str(tmp_path / "res"), "--kvbench-run-id", "r"],
+            cwd=root, capture_output=True, text=True, timeout=150)
+        assert p.returncode == 0, p.stderr[-3000:]
+    finally:
+        srv.kill()
+        srv.wait(10)
+        srv.stdout.close()
+        srv.stderr.close()
+    rows = {r["request_id"]: r for r in read_table(tmp_path / "res" / "r",
+                                                   "requests").to_pylist()}
+    want = {  # request id: (parent, sub-agent index, streamed, input, blocks sent before)
+        "ag-c0-t0000": ("", -1, True, 400, 0),
+        "ag-c0-s0-t0000": ("ag-c0", 0, True, 300, 0),
+        "ag-c0-s1-t0000": ("ag-c0", 1, True, 300, 4),  # its sibling sent the same 4
+        "ag-c0-s0-t0001": ("ag-c0", 0, True, 400, 4),
+        "ag-c0-t0001": ("", -1, False, 500, 6),
+    }
+    assert set(rows) == set(want)
+    for rid, (parent, idx, streamed, n_in, hit_blocks) in want.items():
+        r = rows[rid]
+        assert (r["parent_session_id"], r["subagent_index"], r["streamed"]) == \
+            (parent, idx, streamed) and r["status"] == "ok"
+        assert r["prompt_tokens"] == n_in and r["cached_tokens"] == 64 * hit_blocks
+        assert (r["ttft_ns"] is None) is (not streamed)
+    sent = [json.loads(x) for x in log.read_text().splitlines()]
+    assert {(rid, sid) for rid, sid, _ in sent} == {(rid, rows[rid]["session_id"])
+                                                    for rid in want}
+    assert all(body["stream"] is rows[rid]["streamed"] for rid, _, body in sent)
