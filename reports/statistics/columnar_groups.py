@@ -53,6 +53,11 @@ BATCH_ROWS = 131_072  # requests per batch (one row group of the compacted layou
 ITL_BATCH_ROWS = 16_384  # ~800k gaps: ITL's temporaries stay a few MB
 _LISTS = ("chunk_offsets_ns", "chunk_tokens")
 SCALAR_COLUMNS = tuple(f.name for f in REQUESTS if f.name not in _LISTS)
+# what the registry's metrics read of a request (its definitions' inputs, the group keys and
+# the stage times); the request frame's other columns are given as nulls, never read
+METRIC_INPUTS = frozenset({*D.inputs([k for k in D.DEFINITIONS if k != "itl_gaps_ns"]),
+                           "endpoint", "workload", "request_class", "stage", "t_scheduled",
+                           "t_sent", "ttft_ns", "e2e_ns"})
 # an ITL bucket: the float32's bits above the 10 top mantissa bits (1024 per octave)
 _SHIFT = 23 - 10
 _BUCKETS = 1 << (32 - _SHIFT)
@@ -61,31 +66,37 @@ _STAGE = ("endpoint", "workload", "stage")
 Selection = tuple[str, str]  # (endpoint, request_class or "*")
 
 
-def _batches(run_dir: Path, columns: Sequence[str], offsets_ns, batch_rows: int):
+def _batches(run_dir: Path, columns: Sequence[str], offsets_ns, batch_rows: int,
+             read: frozenset | None = None):
     """``columns`` of the run's Parquet records as tables of at most ``batch_rows`` rows:
-    partition keys and columns an older file lacks filled in with their ``REQUESTS`` types,
-    worker clocks aligned."""
+    partition keys and columns an older file lacks (or not in ``read``, when given) filled in
+    as nulls of their ``REQUESTS`` types, worker clocks aligned."""
     from kvbench.core.compact import align_worker_clocks
 
+    if read is not None and offsets_ns and any(int(o) for o in offsets_ns.values()):
+        read = read | {"worker"}
+    schema = pa.schema([REQUESTS.field(c) for c in columns])
     for f, keys in parquet_files(run_dir):
-        have = set(pq.read_schema(f).names)
+        have = set(pq.read_schema(f).names) & (read if read is not None else set(columns))
         own = [c for c in columns if c in have and c not in keys]
-        for b in pq.ParquetFile(f, pre_buffer=False).iter_batches(batch_size=batch_rows,
-                                                                   columns=own):
-            n = b.num_rows
-            cols = []
-            for c in columns:
-                field = REQUESTS.field(c)
-                if c in keys:
-                    cols.append(pa.array([keys[c]] * n).cast(field.type))
-                elif c in have:
-                    col = b.column(c)
-                    cols.append(col if col.type == field.type else col.cast(field.type))
-                else:
-                    cols.append(pa.nulls(n, field.type))
-            t = pa.Table.from_arrays(cols, schema=pa.schema([REQUESTS.field(c)
-                                                             for c in columns]))
-            yield align_worker_clocks(t, offsets_ns) if "worker" in columns else t
+        # read in row groups' worth, handed on in slices (fewer, larger reads)
+        for whole in pq.ParquetFile(f, pre_buffer=False).iter_batches(
+                batch_size=max(batch_rows, BATCH_ROWS), columns=own):
+            for start in range(0, whole.num_rows, batch_rows):
+                b = whole.slice(start, batch_rows)
+                n = b.num_rows
+                cols = []
+                for c in columns:
+                    field = REQUESTS.field(c)
+                    if c in keys:
+                        cols.append(pa.array([keys[c]] * n).cast(field.type))
+                    elif c in own:
+                        col = b.column(c)
+                        cols.append(col if col.type == field.type else col.cast(field.type))
+                    else:
+                        cols.append(pa.nulls(n, field.type))
+                t = pa.Table.from_arrays(cols, schema=schema)
+                yield align_worker_clocks(t, offsets_ns) if "worker" in columns else t
 
 
 def _no_gaps(n: int) -> GapStore:
@@ -146,7 +157,7 @@ def _scan(run: int, run_dir: Path, stages, slo, offsets_ns, needs: Mapping[Selec
     """One pass over run number ``run``: each selection's sums and per-request values into
     ``accs``; returns the frame of the rows at each stage's extremes (its windows)."""
     keep: list[pa.Table] = []
-    for t in _batches(run_dir, SCALAR_COLUMNS, offsets_ns, batch_rows):
+    for t in _batches(run_dir, SCALAR_COLUMNS, offsets_ns, batch_rows, METRIC_INPUTS):
         f = request_frame(t, stages=stages, slo=slo, gaps=_no_gaps(t.num_rows))
         ext = _extremes(t, f)
         if len(ext):
