@@ -370,7 +370,8 @@ def _exact(gate_cfg, endpoints: list, current, cur, baseline, base, slo) -> tupl
             metric = M.metric_name(rule.metric)
         except UserError:
             continue  # evaluate says so, for its rule
-        for ep in (endpoints if rule.endpoint == "*" else [rule.endpoint]):
+        for ep in (endpoints if rule.endpoint == "*" else
+                   [rule.endpoint] if rule.endpoint in endpoints else []):
             want_c.add((metric, ep, rule.request_class))
             if rule.max_value is None:
                 want_b.add((metric, ep, rule.request_class))
