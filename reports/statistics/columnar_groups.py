@@ -316,7 +316,9 @@ def _itl(runs: Sequence[tuple], needs: Mapping[Selection, list],
         for _, _, pair in picks:
             for i, _ in pair:
                 keep[s][i] = True
-    got: dict[Selection, list] = {s: [] for s in sels}
+    # the gaps of each wanted (selection, bucket), float32 as the store holds them: 4 bytes a
+    # kept gap (a bucket near a mode of the gaps may hold a few % of them)
+    got: dict[tuple, list] = {}
     if any(keep[s].any() for s in sels):
         for ep, cls, store in _all_itl(runs, batch_rows):
             if not len(store.flat):
@@ -324,14 +326,17 @@ def _itl(runs: Sequence[tuple], needs: Mapping[Selection, list],
             b = _bucket(store.flat)
             for s in sels:
                 g = _gap_mask(ep, cls, store, s) & keep[s][b]
-                if g.any():
-                    got[s].append(np.stack([b[g].astype(np.float64),
-                                            store.flat[g].astype(np.float64)]))
+                if not g.any():
+                    continue
+                bs, vs = b[g], store.flat[g]
+                for bk in np.flatnonzero(keep[s]).tolist():
+                    mine = vs[bs == bk]
+                    if len(mine):
+                        got.setdefault((s, bk), []).append(mine)
     out = {}
     for s in sels:
         n, picks = wanted[s]
-        vals = np.concatenate(got[s], axis=1) if got[s] else np.zeros((2, 0))
-        cells = {}
+        cells: dict[int, np.ndarray] = {}
         for m in needs[s]:
             if isinstance(m, PooledGaps) and m.q is None:
                 out[(s, m.name)] = total[s] / n if n else math.nan
@@ -340,7 +345,9 @@ def _itl(runs: Sequence[tuple], needs: Mapping[Selection, list],
         for m, index, ((b0, r0), (b1, r1)) in picks:
             for bk in (b0, b1):
                 if bk not in cells:
-                    cells[bk] = np.sort(vals[1][vals[0] == bk].astype(np.float32))
+                    parts = got.pop((s, bk), [])
+                    cells[bk] = np.sort(np.concatenate(parts)) if parts else \
+                        np.zeros(0, np.float32)
             lo, hi = cells[b0][r0:r0 + 1], cells[b1][r1:r1 + 1]
             out[(s, m.name)] = _lerp(lo, hi, float(index[0]))
     return out
