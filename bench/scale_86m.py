@@ -11,6 +11,10 @@ what happened. The run lives under ``--dir`` (default the system temporary folde
 deleted afterwards unless ``--keep``; the bench refuses, in one sentence, when the disk
 cannot hold it.
 
+Measured on a shared 2-core host (others' jobs running; nice 10), --requests 10000000: 251 B
+a request on disk (2.51 GB, 15 files), synthesis 1193 s; report killed at 6.0 GB after 124 s
+(the in-memory report of this branch); A/A gate 382 s, 1.56 GB peak. 86.4M would take ~22 GB.
+
     python bench/scale_86m.py [--requests 86400000] [--dir /tmp] [--keep]
                               [--max-rss-gb 16] [--timeout-s 1800] [--skip-report]
                               [--skip-gate]
