@@ -1,8 +1,10 @@
 """Time and peak RSS of `kvbench gate`'s evaluation on two synthetic runs of N requests each:
 the old path (both runs loaded whole: core.store.load_results, then gate.evaluate) against the
 bounded one (gate.load_bounded: a run over gate.MAX_REQUESTS judged on a seeded sample of that
-many), each in its own process; the verdicts of both are printed side by side. Synthesis (not
-timed) reuses bench/reports_columnar.py's streaming writer; its disk use is printed.
+many for its intervals, its figures exact over every request by
+statistics.columnar_groups.exact_figures), each in its own process; the verdicts of both are
+printed side by side. Synthesis (not timed) reuses bench/reports_columnar.py's streaming
+writer; its disk use is printed.
 
 Usage: python bench/gate_scale.py [--rows 1000000] [--keep DIR] [--skip-old]
 (--skip-old for 10M: the old path needs ~12 GB per run)

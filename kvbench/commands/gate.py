@@ -227,6 +227,7 @@ def _pooled(runs: list):
     requests = pa.concat_tables([r.requests for r in runs], promote_options="default")
     pooled = dataclasses.replace(first, meta=meta, tables=dict(first.tables, requests=requests))
     pooled.sampled = None  # a large run is judged on a sample (gate.load_bounded)
+    pooled.parts = runs  # its figures are exact over every run's records (gate._exact)
     if any(getattr(r, "sampled", None) is not None for r in runs):
         from kvbench.reports.analysis.gate import Sampled
 

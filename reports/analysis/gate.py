@@ -28,11 +28,14 @@ zero-width interval.
 A run of more than ``MAX_REQUESTS`` compacted requests (a soak, a 10M-request night) is not
 loaded whole (``load_bounded``): the gate judges a seeded uniform sample of about
 ``MAX_REQUESTS`` of them, read a row group at a time, so a gate on two such runs stays within a
-bounded memory. Its statistics are the sample's (rates and token rates scaled by n / m, the
-inverse of the sampled fraction), its bootstrap spread is rescaled by sqrt(m / n) to the whole
-run's (m-out-of-n, as the ITL cluster bootstrap does), pairing is off (two samples share few
+bounded memory. The figures it compares and prints are nevertheless exact: each rule's
+statistic over ALL the run's requests (``statistics.columnar_groups.exact_figures``: the
+registry's definitions evaluated batch by batch, percentiles by exact selection). Only the noise
+interval comes from the sample: its bootstrap spread (rates scaled by n / m, the inverse of the
+sampled fraction) is rescaled by sqrt(m / n) to the whole run's (m-out-of-n, as the ITL cluster
+bootstrap does) and centred on the exact figure; pairing is off (two samples share few
 requests), and the rule's note says so in every output. Runs at or under the bound are judged
-exactly as before.
+exactly as before. The bound is ``MAX_REQUESTS``, or ``$KVBENCH_GATE_MAX_REQUESTS``.
 """
 
 from __future__ import annotations
@@ -87,6 +90,20 @@ class RuleResult:
 
 
 MAX_REQUESTS = 200_000  # above this many compacted requests a run is judged on a sample
+MAX_REQUESTS_ENV = "KVBENCH_GATE_MAX_REQUESTS"  # overrides it (tests, small hosts)
+
+
+def sample_bound() -> int:
+    """The sampling bound: ``$KVBENCH_GATE_MAX_REQUESTS`` when set, else ``MAX_REQUESTS``."""
+    import os
+
+    text = os.environ.get(MAX_REQUESTS_ENV, "").strip()
+    if not text:
+        return MAX_REQUESTS
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"${MAX_REQUESTS_ENV}={text!r}: give a whole number of requests "
+                        "(at least 1), or unset it")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -103,9 +120,10 @@ class Sampled:
 
 def load_bounded(path, max_requests: int | None = None, seed: int = 0):
     """``load_results`` of the run at ``path``, unless its compacted requests are more than
-    ``max_requests`` (default ``MAX_REQUESTS``): then its requests table is a seeded uniform
-    sample of about that many, read a row group at a time, and ``results.sampled`` says so
-    (a ``Sampled``; None when the run is whole). Live shards of such a run are not sampled."""
+    ``max_requests`` (default ``sample_bound()``: ``MAX_REQUESTS`` or its environment
+    override): then its requests table is a seeded uniform sample of about that many, read a
+    row group at a time, and ``results.sampled`` says so (a ``Sampled``; None when the run is
+    whole). Live shards of such a run are not sampled."""
     from pathlib import Path
 
     import pyarrow as pa
@@ -118,7 +136,7 @@ def load_bounded(path, max_requests: int | None = None, seed: int = 0):
     from kvbench.core.shards import read_table
     from kvbench.reports.statistics.columnar import parquet_batches, parquet_files
 
-    limit = MAX_REQUESTS if max_requests is None else max_requests
+    limit = sample_bound() if max_requests is None else max_requests
     run_dir = Path(path)
     files = parquet_files(run_dir)
     try:
@@ -168,16 +186,32 @@ def _sampled(frame: pd.DataFrame) -> Sampled | None:
 
 
 def _replicates(frame: pd.DataFrame, metric: str, resamples: int,
-                seed: int) -> tuple[float, np.ndarray]:
+                seed: int, exact: float | None = None) -> tuple[float, np.ndarray]:
     """``M.bootstrap_replicates``; on a sampled run (``load_bounded``) a rate is scaled by
-    n / m and the replicates' spread about the estimate by sqrt(m / n)."""
+    n / m and the replicates' spread about the estimate by sqrt(m / n), then moved to centre
+    on ``exact`` (the statistic over the whole run) when it is given."""
     est, reps = M.bootstrap_replicates(frame, metric, resamples, seed)
     s = _sampled(frame)
     if s is None or not math.isfinite(est):
-        return est, reps
+        return (exact, reps) if exact is not None and s is not None else (est, reps)
     if M.METRIC_INFO[metric].counts_arrivals:
         est, reps = est / s.fraction, reps / s.fraction
-    return est, est + (reps - est) * math.sqrt(s.fraction)
+    reps = est + (reps - est) * math.sqrt(s.fraction)
+    if exact is not None:
+        est, reps = exact, reps - est + exact
+    return est, reps
+
+
+def _exact_figures(results, frame: pd.DataFrame, wants: set, slo) -> dict:
+    """The wanted (metric, endpoint, class) figures over every request of a sampled run (a
+    pooled baseline: its runs together); {} for a run judged whole."""
+    if _sampled(frame) is None or not wants:
+        return {}
+    from kvbench.reports.statistics.columnar_groups import exact_figures
+
+    parts = getattr(results, "parts", None) or [results]
+    runs = [(p.path, p.meta.stages, p.meta.worker_clock_offsets_ns) for p in parts]
+    return exact_figures(runs, sorted(wants), slo=slo)
 
 
 def _arrivals(frame: pd.DataFrame) -> int:
@@ -286,6 +320,7 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
     if base is not None and not len(base):
         raise DataError(f"{_where(baseline)}: the baseline run has no records, so the gate "
                         "has nothing to compare with (not a pass); choose another --baseline")
+    exact_b, exact_c = _exact(gate_cfg, endpoints_cur, current, cur, baseline, base, slo)
     out: list[RuleResult] = []
     for i, rule in enumerate(gate_cfg.rules):
         try:
@@ -307,7 +342,7 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
                     _require_records(i, rule, metric, ep, base, baseline, "baseline", allowed)
                 shared = baseline is not None and same_schedule(baseline.meta, current.meta, ep)
                 result = _one(rule, metric, ep, base, cur, gate_cfg, seed + 7919 * i,
-                              shared_schedule=shared)
+                              shared_schedule=shared, exact=(exact_b, exact_c))
                 if result.verdict == "missing":
                     run = baseline if "baseline run" in result.note else current
                     raise _NoData(_where(run), result.note)
@@ -325,6 +360,24 @@ def evaluate(baseline, current, gate_cfg, *, slo: dict | None = None,
                         "endpoint of the current run), which is not a pass; fix the [gate] "
                         "rules' endpoint names")
     return out
+
+
+def _exact(gate_cfg, endpoints: list, current, cur, baseline, base, slo) -> tuple[dict, dict]:
+    """The exact figures every rule needs, of each sampled run (one scan per run)."""
+    want_c, want_b = set(), set()
+    for rule in gate_cfg.rules:
+        try:
+            metric = M.metric_name(rule.metric)
+        except UserError:
+            continue  # evaluate says so, for its rule
+        for ep in (endpoints if rule.endpoint == "*" else
+                   [rule.endpoint] if rule.endpoint in endpoints else []):
+            want_c.add((metric, ep, rule.request_class))
+            if rule.max_value is None:
+                want_b.add((metric, ep, rule.request_class))
+    exact_c = _exact_figures(current, cur, want_c, slo)
+    exact_b = {} if base is None else _exact_figures(baseline, base, want_b, slo)
+    return exact_b, exact_c
 
 
 def _where(results) -> str:
@@ -369,19 +422,22 @@ def _require_records(i: int, rule, metric: str, endpoint: str, frame: pd.DataFra
 
 
 def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
-         shared_schedule: bool = False) -> RuleResult:
+         shared_schedule: bool = False, exact: tuple[dict, dict] = ({}, {})) -> RuleResult:
     info = M.METRIC_INFO[metric]
     conf, b = gate_cfg.confidence, gate_cfg.bootstrap_resamples
+    key = (metric, endpoint, rule.request_class)
     fc = _select(cur, endpoint, rule.request_class)
-    est_c, reps_c = _replicates(fc, metric, b, seed)
+    est_c, reps_c = _replicates(fc, metric, b, seed, exact[1].get(key))
     sides = [("current", _sampled(cur))]
     if rule.max_value is None and base is not None:
         sides.insert(0, ("baseline", _sampled(base)))
     sampled = [(side, x) for side, x in sides if x is not None]
     sample_note = ("" if not sampled else
-                   " and ".join(side for side, _ in sampled) + " estimated on seeded samples of "
-                   + " and ".join(f"{x.m:,} of {x.n:,}" for _, x in sampled)
-                   + " requests, intervals rescaled by sqrt(m/n)")
+                   " and ".join(side for side, _ in sampled) + " figures exact over all "
+                   + " and ".join(f"{x.n:,}" for _, x in sampled) + " requests; intervals "
+                   "from seeded samples of " + " and ".join(f"{x.m:,} of {x.n:,}"
+                                                            for _, x in sampled)
+                   + " requests, rescaled by sqrt(m/n)")
     common = dict(metric=metric, endpoint=endpoint, request_class=rule.request_class,
                   n_current=len(fc))
     if rule.max_value is not None:
@@ -402,7 +458,7 @@ def _one(rule, metric: str, endpoint: str, base, cur, gate_cfg, seed: int,
         raise DataError(f"gate rule {rule.metric} is relative and needs a baseline; give "
                         "--baseline")
     fb = _select(base, endpoint, rule.request_class)
-    est_b, reps_b = _replicates(fb, metric, b, seed + 1)
+    est_b, reps_b = _replicates(fb, metric, b, seed + 1, exact[0].get(key))
     if rule.max_increase_pct is not None:
         limit = 1 + rule.max_increase_pct / 100
     else:

@@ -1,0 +1,253 @@
+"""A day at 1,000 req/s (issue 34): an 86.4M-request run synthesised by streaming into the
+compacted layout (the Hive ``requests/`` dataset and run.json, as ``kvbench run`` leaves it),
+then the real ``kvbench report`` and ``kvbench gate`` (the run as its own baseline: an A/A
+gate, reading both sides in full) each in a child process, with wall time and peak RSS
+(``os.wait4``). Synthesis is not timed; its disk use is printed. Targets: the report within
+4 GB and 15 minutes; the gate within 2 GB.
+
+A child that outgrows ``--max-rss-gb`` (default 16) or ``--timeout-s`` is killed and said so, so
+a path that is not yet out of core cannot take a shared host down; the bench still prints
+what happened. The run lives under ``--dir`` (default the system temporary folder) and is
+deleted afterwards unless ``--keep``; the bench refuses, in one sentence, when the disk
+cannot hold it.
+
+Measured on a shared 2-core host (others' jobs running; nice 10), --requests 10000000: 251 B
+a request on disk (2.51 GB, 15 files), synthesis 1193 s; report killed at 6.0 GB after 124 s
+(the in-memory report of this branch); A/A gate 382 s, 1.56 GB peak. 86.4M would take ~22 GB.
+
+    python bench/scale_86m.py [--requests 86400000] [--dir /tmp] [--keep]
+                              [--max-rss-gb 16] [--timeout-s 1800] [--skip-report]
+                              [--skip-gate]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # synthetic records
+
+DAY = 86_400_000  # a day at 1,000 req/s
+CHUNK = 300_000  # requests synthesised at once
+PER_FILE = 8  # chunks per part file (about 800k rows of one partition)
+ENDPOINTS = (("colocated", "colocated", {}),
+             ("disaggregated", "disaggregated", {"ttft_base_ms": 140, "error_rate": 0.01}),
+             ("offloaded", "offloaded", {"hit_fraction": 0.8}))
+GATE_RULES = [{"metric": "ttft_p99", "max_increase_pct": 10},
+              {"metric": "tpot_p50", "max_increase_pct": 10},
+              {"metric": "itl_p99", "max_increase_pct": 10},
+              {"metric": "e2e_p99", "max_increase_pct": 10},
+              {"metric": "throughput_rps", "max_decrease_pct": 10},
+              {"metric": "error_rate", "max_value": 0.05}]
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _chunk(i: int, n: int):
+    """Chunk ``i`` of the day: ``n`` requests over the three endpoints at 1,000 req/s in
+    all, shifted to follow chunk ``i - 1``; request ids unique over the run."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from synthetic import EndpointShape, RunShape, synth_table
+
+    eps = [EndpointShape(name, topo, **kw) for name, topo, kw in ENDPOINTS]
+    per = max(1, n // len(eps))
+    rate = 1000.0 / len(eps)
+    shape = RunShape(endpoints=eps, stage_rates_rps=(rate,), requests_per_stage=per,
+                     output_tokens_median=160, max_chunks=50, sessions_turns=4,
+                     workload="day", seed=i)
+    table, _ = synth_table(shape, run_id="day")
+    shift = pa.scalar(int(i * per / rate * 1e9), pa.int64())
+    for c in ("t_scheduled", "t_sent"):
+        table = table.set_column(table.schema.get_field_index(c), c,
+                                 pc.add(table.column(c), shift))
+    ids = pc.binary_join_element_wise(table.column("request_id"), pa.scalar(f"d{i}"), "#")
+    table = table.set_column(table.schema.get_field_index("request_id"), "request_id", ids)
+    return table, shape
+
+
+def synthesise(run: Path, total: int) -> dict:
+    """The run's requests dataset written partition by partition in ``t_sent`` order (every
+    chunk follows the last in time), then run.json through the tests' writer; returns
+    {requests, offsets, bytes, seconds}."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    from synthetic import run_meta, write_run
+
+    from kvbench.core.layout import ROW_GROUP_ROWS, encode
+    from kvbench.core.schema import REQUESTS
+
+    t0 = time.perf_counter()
+    build = run / ".requests.building"
+    build.mkdir(parents=True)
+    writers: dict[str, tuple] = {}  # endpoint -> (writer, file number, chunks in it)
+    spans: dict[str, list] = {}  # endpoint -> [first t_scheduled, last end, requests]
+    done = offsets = i = 0
+    shape = None
+    while done < total:
+        table, shape = _chunk(i, min(CHUNK, total - done))
+        table = table.slice(0, min(table.num_rows, total - done))
+        offsets += pc.sum(pc.list_value_length(table.column("chunk_offsets_ns"))).as_py() or 0
+        for name, *_ in ENDPOINTS:
+            part = table.filter(pc.equal(table.column("endpoint"), name))
+            if not part.num_rows:
+                continue
+            part = part.sort_by("t_sent")
+            end = pc.max(pc.add(part.column("t_sent"), pc.fill_null(part.column("e2e_ns"), 0)))
+            sp = spans.setdefault(name, [pc.min(part.column("t_scheduled")).as_py(), 0, 0])
+            sp[1], sp[2] = max(sp[1], end.as_py()), sp[2] + part.num_rows
+            body = part.drop_columns(["endpoint", "workload"])
+            w, num, chunks = writers.get(name, (None, -1, PER_FILE))
+            if chunks >= PER_FILE:
+                if w is not None:
+                    w.close()
+                num += 1
+                folder = build / f"endpoint={encode(name)}" / f"workload={encode('day')}"
+                folder.mkdir(parents=True, exist_ok=True)
+                w, chunks = pq.ParquetWriter(folder / f"part-{num}.parquet", body.schema,
+                                             compression="zstd"), 0
+            w.write_table(body, row_group_size=ROW_GROUP_ROWS)
+            writers[name] = (w, num, chunks + 1)
+        done += table.num_rows
+        i += 1
+        del table
+        if i % 20 == 0:
+            print(f"  synthesised {done:,} of {total:,} requests "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for w, _, _ in writers.values():
+        w.close()
+    stages = [{"endpoint": name, "workload": "day", "profile": "ladder", "index": 0,
+               "pacing": "poisson", "rate_rps": n / ((t1 - t0_) / 1e9), "users": None,
+               "duration_s": (t1 - t0_) / 1e9, "t_start_ns": int(t0_), "t_end_ns": int(t1)}
+              for name, (t0_, t1, n) in spans.items()]
+    cfg = {"suite": {"name": "day", "seed": 0}, "slo": {
+        "chat": {"ttft_ms": 500.0, "tpot_ms": 60.0}, "rag": {"ttft_ms": 1000.0},
+        "agent": {"ttft_ms": 1000.0}, "longctx": {"ttft_ms": 2000.0}},
+        "gate": {"rules": GATE_RULES, "bootstrap_resamples": 1000}}
+    # run.json of a layout-2 run through the tests' writer (its empty dataset replaced)
+    write_run(run, REQUESTS.empty_table(), run_meta(shape, stages, run_id="day", config=cfg))
+    shutil.rmtree(run / "requests", ignore_errors=True)
+    os.replace(build, run / "requests")
+    return {"requests": done, "offsets": offsets, "bytes": du(run),
+            "seconds": time.perf_counter() - t0}
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def measure(label: str, argv: list[str], max_rss_gb: float, timeout_s: float) -> dict:
+    """``argv`` in a child process: wall time, peak RSS (``os.wait4``), exit status, and
+    whether it was killed (over ``max_rss_gb`` or ``timeout_s``)."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    out_path = Path(tempfile.mkstemp(prefix=f"kvb-{label}-", suffix=".log")[1])
+    killed = None
+    import threading
+
+    def drain():  # the child's output to a file, so a full pipe never blocks it
+        with out_path.open("w") as f:
+            for line in proc.stdout:
+                f.write(line)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if killed is None:
+            rss = _rss_kb(proc.pid) / 1e6
+            if rss > max_rss_gb:
+                killed = f"killed at {rss:.1f} GB RSS (over --max-rss-gb {max_rss_gb:g})"
+            elif time.perf_counter() - t > timeout_s:
+                killed = f"killed after {timeout_s:.0f} s (--timeout-s)"
+            if killed:
+                os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+    wall = time.perf_counter() - t
+    reader.join(timeout=10)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    tail = out_path.read_text()[-1500:]
+    out_path.unlink()
+    got = {"label": label, "wall_s": wall, "peak_gb": ru.ru_maxrss * 1024 / 1e9,
+           "rc": proc.returncode, "killed": killed, "tail": tail}
+    state = killed or (f"exit {proc.returncode}")
+    print(f"{label:>7}: {wall:8.1f} s wall, peak RSS {got['peak_gb']:.2f} GB, {state}",
+          flush=True)
+    if proc.returncode != 0 or killed:
+        print("         " + tail.strip().replace("\n", "\n         "), flush=True)
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=DAY)
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--keep", action="store_true", help="leave the run on disk afterwards")
+    ap.add_argument("--max-rss-gb", type=float, default=16.0)
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--skip-report", action="store_true")
+    ap.add_argument("--skip-gate", action="store_true")
+    args = ap.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    # the disk a request takes, from a pilot chunk written the same way
+    pilot = Path(tempfile.mkdtemp(prefix="kvb-pilot-", dir=args.dir))
+    try:
+        got = synthesise(pilot / "run", 30_000)
+        per_request = got["bytes"] / got["requests"]
+    finally:
+        shutil.rmtree(pilot, ignore_errors=True)
+    need = per_request * args.requests * 1.15 + 2e9  # a margin, and the report's own files
+    free = shutil.disk_usage(args.dir).free
+    if need > free:
+        print(f"scale_86m: refusing: {args.requests:,} requests need about {need / 1e9:.1f} GB "
+              f"but {args.dir} has {free / 1e9:.1f} GB free; pass a smaller --requests or a "
+              "--dir on a larger disk.")
+        return 2
+    print(f"{args.requests:,} requests: about {per_request:.0f} B each on disk, "
+          f"{need / 1e9:.1f} GB needed of {free / 1e9:.1f} GB free in {args.dir}", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="kvb-day-", dir=args.dir))
+    run = root / "day"
+    try:
+        got = synthesise(run, args.requests)
+        print(f"synthesised {got['requests']:,} requests ({got['offsets']:,} chunk offsets) "
+              f"in {got['seconds']:.0f} s (not timed); on disk {got['bytes'] / 1e9:.2f} GB "
+              f"({got['bytes'] / got['requests']:.0f} B a request) in "
+              f"{len(list((run / 'requests').rglob('*.parquet')))} files", flush=True)
+        kv = [sys.executable, "-m", "kvbench"]
+        if not args.skip_report:
+            measure("report", [*kv, "report", str(run), "--history", "0", "-o",
+                               str(root / "report.html")], args.max_rss_gb, args.timeout_s)
+            print("         target: 4 GB peak and 900 s")
+        if not args.skip_gate:
+            measure("gate", [*kv, "gate", "--baseline", str(run), "--current", str(run),
+                             "--no-history"], args.max_rss_gb, args.timeout_s)
+            print("         target: 2 GB peak (A/A: the run as its own baseline)")
+    finally:
+        if args.keep:
+            print(f"kept {run}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
