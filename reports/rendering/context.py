@@ -37,9 +37,12 @@ REPORT_RESAMPLES = 1000
 REPORT_SEED = 0
 
 
-def build_context(d: ReportData, title: str | None = None, figures: bool = True) -> dict:
+def build_context(d: ReportData, title: str | None = None, figures: bool = True,
+                  stages: tuple[pd.DataFrame, pd.DataFrame] | None = None) -> dict:
     """Everything a template shows; ``figures=False`` skips the plots (the Markdown report
-    has none)."""
+    has none). ``stages``: (per-stage rates as ``overload.rates`` gives them, per-stage
+    figures for ``tables.stage_table``) computed over every request where ``d`` holds a
+    sample of them (``reports.rendering.scale``)."""
     f = d.frame
     eps = d.endpoint_names
     lean = M.slim(f, ("endpoint", "topology", "workload", "stage"))
@@ -50,7 +53,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     gpu_figs = {ep: P.endpoint_figures(sub, d.endpoint(ep)) for ep, sub in per_ep.items()}
     example_price = any(gpu_figs[ep]["example_price"] for ep in eps)
     outcomes = {ep: M.outcomes(per_ep[ep]) for ep in eps}
-    stage_rates = O.rates(f)
+    stage_rates = O.rates(f) if stages is None else stages[0]
     capacity = build_capacity(d)
     searched = {(str(s.endpoint), str(s.workload), int(s.index)) for s in d.stages
                 if s.search is not None}
@@ -90,7 +93,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                                       _rates_of(plain[ep]) > 1 for ep in cols) else ""})
 
     by_class = tables.group_tables(f, "request_class")
-    stage_table = tables.stage_table(d, stage_rates)
+    stage_table = tables.stage_table(d, stage_rates, None if stages is None else stages[1])
     names = labels(d.stages)  # "probe N" / "stage N", as the console says them
     by_stage = table_rows(stage_table.assign(stage=[label_of(names, *k) for k in zip(
         stage_table["endpoint"], stage_table["workload"], stage_table["stage"])]),
