@@ -39,7 +39,7 @@ def _summary(ctx) -> dict:
 def test_the_out_of_core_summary_equals_the_in_memory_one(tmp_path):
     run, n = _run(tmp_path)
     want = build_context(load([run]), figures=False)
-    got, runs = R._scaled_context([run], None, None, False, 0)
+    got, runs = R._scaled_context([run], None, None, False)
     assert got["scale"]["n"] == got["scale"]["m"] == n  # the sample is the whole run here
     assert got["n_requests"] == want["n_requests"] == n
     assert got["outcomes"] == want["outcomes"]
@@ -71,7 +71,7 @@ def test_the_out_of_core_summary_equals_the_in_memory_one(tmp_path):
 
 def test_over_the_threshold_a_sample_and_exact_counts(tmp_path, monkeypatch):
     run, n = _run(tmp_path)
-    monkeypatch.setattr(scale, "MAX_REQUESTS", 400)  # the sample's size
+    monkeypatch.setattr(scale, "SAMPLE", 400)  # the sample's size
     loaded = []
     import kvbench.reports.measures.data as data
 
@@ -86,7 +86,7 @@ def test_over_the_threshold_a_sample_and_exact_counts(tmp_path, monkeypatch):
     assert loaded and all(p != run for p in loaded)  # never the whole run in memory
     assert f"{n:,} requests;" in md
     assert "seeded" in md and "uniform sample of" in md
-    ctx, _ = R._scaled_context([run], None, None, False, 1000)
+    ctx, _ = R._scaled_context([run], None, None, False)
     assert 200 < ctx["scale"]["m"] < 600 and ctx["scale"]["n"] == n
     assert _summary(ctx)["requests"]["cells"][0].value + _summary(ctx)["requests"][
         "cells"][1].value == n

@@ -68,7 +68,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True,
         cols = list(plain)
         summary = summary_rows(cols, [plain[ep] for ep in cols],
                                [itl_values(plain[ep]) if len(plain[ep]) < len(per_ep[ep])
-                                else itl_cache[ep] for ep in cols])
+                                else itl_cache[ep] for ep in cols],
+                               ci=stages is None)  # a sample's: replaced (``scale``)
         summary.append(tables.overload_row(
             stage_rates[~_in_stages(stage_rates, searched)] if searched else stage_rates, cols,
             labels(d.stages)))
@@ -180,14 +181,15 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True,
 
 
 def summary_rows(cols: list[str], frames: list[pd.DataFrame],
-                 itls: list[np.ndarray]) -> list[dict]:
+                 itls: list[np.ndarray], ci: bool = True) -> list[dict]:
     """The Summary's metric rows, one column per frame (``cols`` its headers): requests, the
-    cancelled, each of ``SUMMARY_METRICS`` with its interval where ``CI_METRICS`` has one."""
+    cancelled, each of ``SUMMARY_METRICS`` with its interval where ``CI_METRICS`` has one
+    (``ci``)."""
     values, cis = [], []
     for sub, itl in zip(frames, itls):
         values.append(M.evaluate(sub, SUMMARY_METRICS))
         cis.append(M.evaluate(sub, CI_METRICS, ci=True, resamples=REPORT_RESAMPLES,
-                              seed=REPORT_SEED))
+                              seed=REPORT_SEED) if ci else {})
     rows = [metric_row("requests", "count", [len(x) for x in frames], None)]
     cancelled = [M.outcomes(x)["cancelled"] for x in frames]
     if any(cancelled):

@@ -84,7 +84,7 @@ def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
 
     paths = [Path(p) for p in paths]
     if scale.wanted(paths, max_requests):
-        ctx, runs = _scaled_context(paths, slo, title, fmt_ == "html", max_requests)
+        ctx, runs = _scaled_context(paths, slo, title, fmt_ == "html")
     else:
         from kvbench.reports.measures.data import load
 
@@ -95,32 +95,45 @@ def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
     return render_html(ctx) if fmt_ == "html" else render_md(ctx)
 
 
-def _scaled_context(paths: list[Path], slo, title: str | None, figures: bool,
-                    max_requests: int | None) -> tuple[dict, list]:
+def _slo(slo, metas) -> dict:
+    """The SLOs ``load`` judges by: those given, else the runs' configs' merged."""
+    from kvbench.reports.measures.data import _slo as as_slo
+
+    if slo is None:
+        slo = {}
+        for meta in metas:
+            slo.update(meta.slo)
+    return as_slo(slo)
+
+
+def _scaled_context(paths: list[Path], slo, title: str | None,
+                    figures: bool) -> tuple[dict, list]:
     """The context of runs too large to hold (``reports.rendering.scale``): built over a
     seeded sample of their requests (temporary copies of the runs), the Summary's figures
     exact over every request."""
     import shutil
     import tempfile
 
+    from kvbench.core.store import read_meta
     from kvbench.reports.measures.data import load
     from kvbench.reports.rendering import scale
 
-    limit = scale.MAX_REQUESTS  # the sample's size (``max_requests``: when to take one)
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-report-sample-"))
     try:
-        per = max(1, limit // len(paths))
-        copies = [scale.sampled_copy(p, tmp / f"{i}-{p.name}", per) for i, p in
-                  enumerate(paths)]
-        d = load([c for c, _, _ in copies], slo=slo)
-        names: dict[str, int] = {}
-        for meta in d.runs:
+        per = max(1, scale.SAMPLE // len(paths))
+        samplers = [scale.Sampler(per, scale.compacted_requests(p)) for p in paths]
+        metas = [read_meta(p) for p in paths]
+        names: dict[str, int] = {}  # endpoint names that repeat across runs: name@run_id
+        for meta in metas:
             for ep in {str(e.name) for e in meta.endpoints if e.name}:
                 names[ep] = names.get(ep, 0) + 1
         labels = [(lambda e, rid=str(meta.run_id or p.name):
                    e if names.get(e, 0) <= 1 else f"{e}@{rid}")
-                  for meta, p in zip(d.runs, paths)]
-        exact = scale.exact_figures(paths, labels, d.slo)
+                  for meta, p in zip(metas, paths)]
+        exact = scale.exact_figures(paths, labels, _slo(slo, metas), samplers)
+        copies = [scale.sampled_copy(p, tmp / f"{i}-{p.name}", s) for i, (p, s) in
+                  enumerate(zip(paths, samplers))]
+        d = load([c for c, _, _ in copies], slo=slo)
         scale.scale_windows(d, {str(meta.run_id or p.name): m / n if n else 1.0
                                 for meta, p, (_, m, n) in zip(d.runs, paths, copies)})
         stages = (scale.ordered_like(exact.rates, d.frame),

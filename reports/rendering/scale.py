@@ -12,8 +12,8 @@ compacted requests (the gate's bound), nothing per request of the whole run is h
   order), never in a printed digit (``tests/test_report_scale.py``).
 - Every other section (the per-class, per-stage, per-prompt-length and error tables, the
   diagnosis, the rankings, the plots) is built by the in-memory path over a seeded uniform
-  sample of about ``MAX_REQUESTS`` requests, copied into a temporary run beside the original's
-  run.json and telemetry; the report says so at its top (``ctx["scale"]``), and each such
+  sample of about ``SAMPLE`` requests (drawn while the exact ITL pass reads the chunk lists:
+  ``Sampler``), written into a temporary run beside the original's run.json and telemetry; the report says so at its top (``ctx["scale"]``), and each such
   table's counts are the sample's.
 - No bootstrap interval in the exact Summary: resampling requests is what cannot be held, and
   the sample's intervals would describe the sample, not the run.
@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 MAX_REQUESTS = 200_000  # above this many compacted requests a run is reported out of core
+SAMPLE = 50_000  # requests in the sample the sections other than the Summary are built over
 SAMPLE_SEED = 0
 
 
@@ -69,52 +70,65 @@ def wanted(paths: Sequence[Path], limit: int | None = None) -> bool:
     return not any(s.search is not None for p in paths for s in read_meta(Path(p)).stages)
 
 
-def sampled_copy(run_dir: Path, into: Path, limit: int, seed: int = SAMPLE_SEED
-                 ) -> tuple[Path, int, int]:
-    """A run folder at ``into`` holding ``run_dir``'s run.json and every table but the
-    requests, whose ``requests.parquet`` is a seeded uniform sample of about ``limit`` of
-    ``run_dir``'s requests, read a batch at a time. (path, m, n)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+class Sampler:
+    """A seeded uniform sample of about ``limit`` of a run's ``n`` requests, drawn batch by
+    batch as ``columnar.aggregate``'s first ITL pass reads them (``on_batch``): the chunk
+    lists are decoded once for both. Holds ``COLUMNS`` of the rows it keeps."""
 
-    from kvbench.core.schema import REQUESTS
-    from kvbench.reports.statistics.columnar import parquet_batches, parquet_files
+    # what the report reads of a request: the frame's columns, the request id (the record
+    # checks, the server traces' join), the chunk offsets (ITL) and the server's request id
+    COLUMNS = None  # set below from the frame's
+
+    def __init__(self, limit: int, n: int, seed: int = SAMPLE_SEED):
+        self.p = limit / max(n, 1)
+        self.rng = np.random.default_rng(seed)
+        self.parts: list = []
+        self.n, self.m = n, 0
+
+    def __call__(self, batch) -> None:
+        import pyarrow as pa
+
+        rows = np.flatnonzero(self.rng.random(batch.num_rows) < self.p)
+        if len(rows):
+            self.parts.append(batch.select(self.COLUMNS).take(pa.array(rows)))
+            self.m += len(rows)
+
+    def table(self):
+        """The sample as a table of the ``REQUESTS`` schema (columns not read: nulls)."""
+        import pyarrow as pa
+
+        from kvbench.core.schema import REQUESTS
+
+        got = pa.Table.from_batches(self.parts) if self.parts else None
+        self.parts = []
+        cols = [got.column(f.name).cast(f.type) if got is not None and f.name in self.COLUMNS
+                else pa.nulls(self.m, f.type) for f in REQUESTS]
+        return pa.Table.from_arrays(cols, schema=REQUESTS)
+
+
+def _sample_columns() -> list[str]:
+    from kvbench.reports.measures.frame import FRAME_COLUMNS
+
+    return list(dict.fromkeys([*FRAME_COLUMNS, "request_id", "chunk_offsets_ns",
+                               "server_request_id"]))
+
+
+def sampled_copy(run_dir: Path, into: Path, sampler: Sampler) -> tuple[Path, int, int]:
+    """A run folder at ``into`` holding ``run_dir``'s run.json and every table but the
+    requests, whose ``requests.parquet`` is ``sampler``'s sample. (path, m, n)."""
+    import pyarrow.parquet as pq
 
     run_dir = Path(run_dir)
     into.mkdir(parents=True)
     for entry in run_dir.iterdir():
         if entry.name.startswith("requests") or entry.name.startswith("report"):
-            continue  # the records (sampled below), an older report
+            continue  # the records (the sample below), an older report
         if entry.is_dir():
             shutil.copytree(entry, into / entry.name)
         else:
             shutil.copy2(entry, into / entry.name)
-    files = parquet_files(run_dir)
-    n = sum(pq.ParquetFile(f).metadata.num_rows for f, _ in files)
-    rng = np.random.default_rng(seed)
-    writer, m = None, 0
-    try:
-        for f, keys in files:
-            own = [c for c in REQUESTS.names if c in keys or c in pq.read_schema(f).names]
-            for part in parquet_batches([(f, keys)], own, batch_size=128 * 1024):
-                rows = np.flatnonzero(rng.random(part.num_rows) < limit / max(n, 1))
-                if not len(rows):
-                    continue
-                got = part.take(pa.array(rows))
-                cols = [got.column(c).cast(fl.type) if c in own else
-                        pa.nulls(len(rows), fl.type) for fl in REQUESTS for c in [fl.name]]
-                t = pa.Table.from_arrays(cols, schema=REQUESTS)
-                if writer is None:
-                    writer = pq.ParquetWriter(into / "requests.parquet", REQUESTS,
-                                              compression="zstd")
-                writer.write_table(t)
-                m += len(rows)
-        if writer is None:
-            pq.write_table(REQUESTS.empty_table(), into / "requests.parquet")
-    finally:
-        if writer is not None:
-            writer.close()
-    return into, m, n
+    pq.write_table(sampler.table(), into / "requests.parquet", compression="zstd")
+    return into, sampler.m, sampler.n
 
 
 # --------------------------------------------------------------------------- exact figures
@@ -221,10 +235,12 @@ class Exact:
     stages: pd.DataFrame
 
 
-def exact_figures(paths: Sequence[Path], labels: Sequence, slo) -> Exact:
+def exact_figures(paths: Sequence[Path], labels: Sequence, slo,
+                  samplers: Sequence[Sampler | None] | None = None) -> Exact:
     """``Exact`` of the runs in ``paths`` (``labels[i]``: run i's endpoint name -> label),
     from ``columnar.aggregate`` and ``columnar.stage_figures``: two scans of the scalar
-    columns, two of the chunk lists, nothing per request held."""
+    columns, two of the chunk lists, nothing per request held; ``samplers[i]`` draws its
+    sample of run i in the first of those."""
     from kvbench.core.store import read_meta
     from kvbench.reports.analysis import overload as O
     from kvbench.reports.rendering.tables import STAGE_METRICS
@@ -233,10 +249,12 @@ def exact_figures(paths: Sequence[Path], labels: Sequence, slo) -> Exact:
     q = {"p50": 0.50, "p90": 0.90, "p99": 0.99, "p999": 0.999}
     eps: dict[str, dict] = {}
     rates, stages = [], []
-    for path, label in zip(paths, labels):
+    for i, (path, label) in enumerate(zip(paths, labels)):
         meta = read_meta(Path(path))
+        sampler = samplers[i] if samplers else None
         agg = C.aggregate(path, slo, quantiles=q, levels={
-            "by_endpoint": ("endpoint",), "by_stage_only": STAGE})
+            "by_endpoint": ("endpoint",), "by_stage_only": STAGE}, on_batch=sampler,
+            batch_columns=sampler.COLUMNS if sampler else ())
         figs = C.stage_figures(path, slo)
         windows = stage_windows(figs, meta.stages)
         ep_of = figs["endpoint"].astype(str)
@@ -376,3 +394,6 @@ def apply(ctx: dict, d, exact: Exact, scale: Scale) -> dict:
 
 def _positive(x: float) -> float:
     return x if x > 0 else math.nan  # ``pareto.output_tps``: no output is no figure
+
+
+Sampler.COLUMNS = _sample_columns()

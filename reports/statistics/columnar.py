@@ -425,13 +425,17 @@ class _Hist:
 
 
 def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
-         qs: Sequence[float]) -> dict[str, dict]:
+         qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = ()
+         ) -> dict[str, dict]:
     """ITL's exact quantiles per level by two streamed passes over the gaps (numpy on
     small batches: no list is unnested into a table, no temporary outgrows the cache):
     pass 1 counts gaps per (group, bucket); pass 2 keeps the gaps of the wanted buckets."""
     columns = list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
     groups, hist = _Groups(), _Hist()
-    for batch in _itl_batches(run_dir, columns):
+    first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
+    for batch in _itl_batches(run_dir, first):
+        if on_batch is not None:
+            on_batch(batch)
         g, v = _gaps(batch, groups)
         if len(v):
             hist.add(g, _gap_bucket(v))
@@ -500,12 +504,16 @@ def _f64(v: np.ndarray) -> np.ndarray:
 def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
               quantiles: Mapping[str, float] = QUANTILES,
               settings: Settings = Settings(),
-              levels: Mapping[str, Sequence[str]] | None = None) -> Aggregates:
+              levels: Mapping[str, Sequence[str]] | None = None,
+              on_batch=None, batch_columns: Sequence[str] = ()) -> Aggregates:
     """The counts and exact latency percentiles of the run in ``run_dir`` (``Aggregates``).
 
     ``slo``: {class: SLO or its dict}; None takes the run's own (run.json's config).
     ``levels``: further groupings, {name: keys} (keys among ``STAGE_KEYS``, the endpoint
-    first), returned in ``Aggregates.extra``."""
+    first), returned in ``Aggregates.extra``. ``on_batch``: called with each batch of the
+    records (in file order, ``batch_columns`` among its columns) as the first ITL pass reads
+    them, so that a caller takes what it needs of every request (a seeded sample: the
+    report's ``scale``) without decoding the chunk lists once more."""
     run_dir = Path(run_dir)
     if slo is None:
         slo = read_meta(run_dir).slo
@@ -528,7 +536,7 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
         if len(hist):
             for lvl, got in _select(con, "scalar_values", hist, levels, qs, _f64).items():
                 picked[lvl].update(got)
-        for lvl, got in _itl(run_dir, levels, qs).items():
+        for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns).items():
             picked[lvl].update(got)
     finally:
         con.close()
