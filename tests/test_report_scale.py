@@ -86,7 +86,9 @@ def test_over_the_threshold_a_sample_and_exact_counts(tmp_path, monkeypatch):
     assert loaded and all(p != run for p in loaded)  # never the whole run in memory
     assert f"{n:,} requests;" in md
     assert "seeded" in md and "uniform sample of" in md
-    ctx, _ = R._scaled_context([run], None, None, False)
+    ctx, _ = R._scaled_context([run], None, None, True)
+    notes = {f["key"]: f["note"] for f in ctx["figures"]}
+    assert "sample of" in notes["pareto"] and "sample of" not in notes["latency_vs_load"]
     assert 200 < ctx["scale"]["m"] < 600 and ctx["scale"]["n"] == n
     assert _summary(ctx)["requests"]["cells"][0].value + _summary(ctx)["requests"][
         "cells"][1].value == n

@@ -134,6 +134,9 @@ def sampled_copy(run_dir: Path, into: Path, sampler: Sampler) -> tuple[Path, int
 # --------------------------------------------------------------------------- exact figures
 
 STAGE = ("endpoint", "workload", "stage")
+# the figures drawn from the per-stage table (exact over every request): the others are the
+# sample's and say so in their caption
+EXACT_FIGURES = ("latency_vs_load", "goodput_vs_load")
 
 
 def stage_windows(figs: pd.DataFrame, stages) -> pd.DataFrame:
@@ -383,6 +386,12 @@ def apply(ctx: dict, d, exact: Exact, scale: Scale) -> dict:
             f"Exact over all {ctx['n_requests']:,} requests, computed out of core (no "
             "bootstrap intervals at this size).")
     ctx["summary"] = ctx["summaries"][0]["rows"] if ctx["summaries"] else []
+    for f in ctx.get("figures") or []:  # every figure but the per-stage ones: the sample's
+        if f["key"] in EXACT_FIGURES:
+            continue
+        said = (f"Of a seeded uniform sample of {scale.m:,} of the {scale.n:,} requests"
+                " (rates scaled to the whole run).")
+        f["note"] = (f["note"] + " " + said) if f["note"] else said
     ctx["scale"] = {"n": scale.n, "m": scale.m,
                     "text": f"{scale.n:,} requests: the Summary's counts, rates and "
                             "percentiles and the per-stage table are exact over every request "
