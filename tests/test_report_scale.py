@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from kvbench.reports.measures.data import load
@@ -21,14 +23,20 @@ pytest.importorskip("duckdb")
 EXACT = ("requests", "cancelled at the stop (not errors)")  # and every percentile
 
 
-def _run(tmp_path, **kw):
+def _run(tmp_path, offsets=None, **kw):
     shape = RunShape(endpoints=[EndpointShape("a", error_rate=0.1, cancel_rate=0.05,
                                               gpus=2, gpu_hour_cost=3.0),
                                 EndpointShape("b", "disaggregated", hit_fraction=0.8)],
                      requests_per_stage=300, stage_rates_rps=(5.0, 10.0), max_chunks=30,
                      sessions_turns=2, **kw)
     table, stages = synth_table(shape)
-    return write_run(tmp_path / "run", table, run_meta(shape, stages)), table.num_rows
+    meta = run_meta(shape, stages)
+    if offsets:  # every other request sent by a second worker, whose clock is off
+        worker = np.where(np.arange(table.num_rows) % 2, "host:2", "host:1")
+        table = table.set_column(table.schema.get_field_index("worker"), "worker",
+                                 pa.array(worker, pa.string()))
+        meta["worker_clock_offsets_ns"] = offsets
+    return write_run(tmp_path / "run", table, meta), table.num_rows
 
 
 def _summary(ctx) -> dict:
@@ -36,8 +44,11 @@ def _summary(ctx) -> dict:
     return {r["label"]: r for r in t["rows"]}
 
 
-def test_the_out_of_core_summary_equals_the_in_memory_one(tmp_path):
-    run, n = _run(tmp_path)
+@pytest.mark.parametrize("offsets", [None, {"host:2": 1_500_000_000}])
+def test_the_out_of_core_summary_equals_the_in_memory_one(tmp_path, offsets):
+    """``offsets``: a distributed run's worker clock offset, which moves its sends (and so
+    its stages' windows) onto the master's clock on both paths."""
+    run, n = _run(tmp_path, offsets)
     want = build_context(load([run]), figures=False)
     got, runs = R._scaled_context([run], None, None, False)
     assert got["scale"]["n"] == got["scale"]["m"] == n  # the sample is the whole run here

@@ -18,6 +18,9 @@ compacted requests (the gate's bound), nothing per request of the whole run is h
 - No bootstrap interval in the exact Summary: resampling requests is what cannot be held, and
   the sample's intervals would describe the sample, not the run.
 
+Over 400 lines, kept whole: the sample, the exact figures and their placing in the context
+are one contract (which figure is exact, which the sample's, and the report's words for it).
+
 A run with a capacity search (short probes, each judged on its own requests) is reported in
 memory as before whatever its size: its verdict needs every probe's requests.
 """

@@ -581,27 +581,35 @@ _SUMS = ("finished", "has_slo", "hit_counted")  # counted beside aggregate's COU
 def stage_figures(run_dir: Path | str, slo: Mapping | None = None, *,
                   settings: Settings = Settings()) -> pd.DataFrame:
     """Per (endpoint, workload, request_class, stage): the times a stage's windows are made of
-    (``_TIMES``: float64 ns, NaN where no row has one), the counts of ``_SUMS``, the token sums
+    (``_TIMES``: float64 ns on the master's clock, NaN where no row has one), the counts of ``_SUMS``, the token sums
     of successful requests (``ok_prompt_tokens``, ``ok_completion_tokens``), those of the
     prefix hit ratio (``hit_cached_tokens``, ``hit_prompt_tokens``), and per latency of
     ``SCALARS`` and lateness its ``<m>_sum`` and ``<m>_count`` (the mean's terms): one DuckDB
     aggregate over the scalar columns, nothing per request kept."""
     run_dir = Path(run_dir)
+    meta = read_meta(run_dir)
     if slo is None:
-        slo = read_meta(run_dir).slo
+        slo = meta.slo
     slo = slo_map({c: s.model_dump() if hasattr(s, "model_dump") else s
                    for c, s in (slo or {}).items()})
+    # each worker's send times on the master's clock, as the request frame takes them
+    # (``core.compact.align_worker_clocks``)
+    shifts = {str(w): int(o) for w, o in (meta.worker_clock_offsets_ns or {}).items()
+              if int(o)}
+    shift = ("" if not shifts else " + CASE worker " + " ".join(
+        f"WHEN {_lit(w)} THEN {o}" for w, o in shifts.items()) + " ELSE 0 END")
     defs = ["ok", "cancelled", *_SUMS, "prompt_tokens", "completion_tokens", "cached_tokens",
             *(LATENCIES[m] for m in SCALARS)]
     columns = list(dict.fromkeys([*STAGE_KEYS, "t_scheduled", "t_sent", "ttft_ns", "e2e_ns",
-                                  *D.inputs(defs)]))
+                                  "worker", *D.inputs(defs)]))
     tmp = settings.temp_directory or tempfile.mkdtemp(prefix="kvbench-duckdb-")
     con = connect(settings, tmp)
     try:
         _records(con, run_dir, columns)
         per = {d: D.sql(d, slo) for d in defs}
-        con.execute(f"CREATE TEMP VIEW fig AS SELECT {', '.join(STAGE_KEYS)}, t_scheduled, "
-                    "t_sent, ttft_ns, e2e_ns, "
+        con.execute(f"CREATE TEMP VIEW fig AS SELECT {', '.join(STAGE_KEYS)}, "
+                    f"t_scheduled{shift} AS t_scheduled, t_sent{shift} AS t_sent, ttft_ns, "
+                    "e2e_ns, "
                     + ", ".join(f"{e} AS {d}" for d, e in per.items()) + " FROM records")
         aggs = [f"{e.format(ok='ok', cancelled='cancelled')} AS {k}" for k, e in _TIMES.items()]
         aggs += [f"count_if({f}) AS {f}" for f in _SUMS]
