@@ -1,6 +1,9 @@
 """The report of runs too large to hold as a request frame (issue 34): over ``MAX_REQUESTS``
 compacted requests (the gate's bound), nothing per request of the whole run is held.
 
+Over 400 lines, kept whole: the sample, the exact figures and their placing in the context
+are one contract (which figure is exact, which the sample's, and the report's words for it).
+
 - The Summary (requests, cancelled, every rate, SLO attainment, error rate, hit ratio, the
   exact TTFT/TPOT/ITL/E2E/lateness percentiles, the means, per-GPU output and stage time) and
   the header's request counts are computed where the records lie: ``columnar.aggregate`` (the
@@ -17,9 +20,6 @@ compacted requests (the gate's bound), nothing per request of the whole run is h
   table's counts are the sample's.
 - No bootstrap interval in the exact Summary: resampling requests is what cannot be held, and
   the sample's intervals would describe the sample, not the run.
-
-Over 400 lines, kept whole: the sample, the exact figures and their placing in the context
-are one contract (which figure is exact, which the sample's, and the report's words for it).
 
 A run with a capacity search (short probes, each judged on its own requests) is reported in
 memory as before whatever its size: its verdict needs every probe's requests.
