@@ -88,36 +88,42 @@ def rates(frame: pd.DataFrame, by: Sequence[str] = ("endpoint", "workload", "sta
     (``cancelled``), and the verdicts with p-values: ``overloaded`` (achieved and first tokens/s clearly below offered)
     and ``goodput_short`` (goodput and first tokens/s clearly below offered; None where the
     group has no class with an SLO)."""
-    cols = list(by) + ["scheduled", "completed", "started", "good", "offered_rps",
-                       "throughput_rps", "started_rps", "goodput_rps", "achieved_s",
-                       "started_s", "offered_s", "drain_s", "cancelled", "overloaded", "p_value",
-                       "started_p", "goodput_short", "goodput_p"]
     rows = []
     lean = M.slim(frame, by)
     for key, sub in lean.groupby(list(by), observed=True, sort=True):
         key = key if isinstance(key, tuple) else (key,)
-        completed = int(M.finished(sub).sum())
-        started = int(sub["ok"].sum())
-        good = int(M.met_slo(sub).sum())
-        a_s, o_s, s_s = M.achieved_s(sub), M.offered_s(sub), M.started_s(sub)
-        offered = len(sub) / o_s if o_s == o_s and o_s > 0 else math.nan
-        below, p = verdict(completed, len(sub), a_s, offered, shortfall, alpha)
-        late, p_s = verdict(started, len(sub), s_s, offered, shortfall, alpha)
-        over = None if below is None or late is None else (below and late)
-        has = M.with_slo(sub)
-        n_slo = int(has.sum())
-        g_short, g_p = None, math.nan
-        if n_slo and o_s == o_s and o_s > 0:
-            g_below, g_p = verdict(good, n_slo, a_s, n_slo / o_s, shortfall, alpha)
-            g_short = None if g_below is None or late is None else (g_below and late)
-        rows.append({**dict(zip(by, key)), "scheduled": len(sub), "completed": completed,
-                     "started": started, "good": good, "offered_rps": offered,
-                     "throughput_rps": completed / a_s if a_s == a_s else math.nan,
-                     "started_rps": started / s_s if s_s == s_s else math.nan,
-                     "goodput_rps": (good / a_s if a_s == a_s and n_slo else math.nan),
-                     "achieved_s": a_s, "started_s": s_s, "offered_s": o_s,
-                     "drain_s": max(0.0, a_s - o_s) if a_s == a_s and o_s == o_s else math.nan,
-                     "cancelled": int(sub["cancelled"].to_numpy(bool).sum()),
-                     "overloaded": over, "p_value": p, "started_p": p_s,
-                     "goodput_short": g_short, "goodput_p": g_p})
-    return pd.DataFrame(rows, columns=cols)
+        rows.append(stage_row(dict(zip(by, key)), len(sub), int(M.finished(sub).sum()),
+                              int(sub["ok"].sum()), int(M.met_slo(sub).sum()),
+                              int(M.with_slo(sub).sum()),
+                              int(sub["cancelled"].to_numpy(bool).sum()), M.achieved_s(sub),
+                              M.offered_s(sub), M.started_s(sub), shortfall, alpha))
+    return pd.DataFrame(rows, columns=list(by) + list(COLUMNS))
+
+
+COLUMNS = ("scheduled", "completed", "started", "good", "offered_rps", "throughput_rps",
+           "started_rps", "goodput_rps", "achieved_s", "started_s", "offered_s", "drain_s",
+           "cancelled", "overloaded", "p_value", "started_p", "goodput_short", "goodput_p")
+
+
+def stage_row(keys: dict, scheduled: int, completed: int, started: int, good: int, n_slo: int,
+              cancelled: int, a_s: float, o_s: float, s_s: float,
+              shortfall: float = SHORTFALL, alpha: float = ALPHA) -> dict:
+    """One row of ``rates`` from a group's counts and intervals, however counted (the request
+    frame's rows, or out of core: ``reports.rendering.scale``)."""
+    offered = scheduled / o_s if o_s == o_s and o_s > 0 else math.nan
+    below, p = verdict(completed, scheduled, a_s, offered, shortfall, alpha)
+    late, p_s = verdict(started, scheduled, s_s, offered, shortfall, alpha)
+    over = None if below is None or late is None else (below and late)
+    g_short, g_p = None, math.nan
+    if n_slo and o_s == o_s and o_s > 0:
+        g_below, g_p = verdict(good, n_slo, a_s, n_slo / o_s, shortfall, alpha)
+        g_short = None if g_below is None or late is None else (g_below and late)
+    return {**keys, "scheduled": scheduled, "completed": completed,
+            "started": started, "good": good, "offered_rps": offered,
+            "throughput_rps": completed / a_s if a_s == a_s else math.nan,
+            "started_rps": started / s_s if s_s == s_s else math.nan,
+            "goodput_rps": (good / a_s if a_s == a_s and n_slo else math.nan),
+            "achieved_s": a_s, "started_s": s_s, "offered_s": o_s,
+            "drain_s": max(0.0, a_s - o_s) if a_s == a_s and o_s == o_s else math.nan,
+            "cancelled": cancelled, "overloaded": over, "p_value": p, "started_p": p_s,
+            "goodput_short": g_short, "goodput_p": g_p}

@@ -118,9 +118,14 @@ def stage_points(frame: pd.DataFrame, endpoints: Mapping[str, EndpointEntry],
 
 def endpoint_figures(frame: pd.DataFrame, entry: EndpointEntry) -> dict:
     """Over all of an endpoint's rows: output tokens/s, per GPU, and $ / M output tokens."""
+    return endpoint_figures_of(output_tps(frame), entry)
+
+
+def endpoint_figures_of(tps: float, entry: EndpointEntry) -> dict:
+    """``endpoint_figures`` from the endpoint's output tokens/s (``tps``), however computed
+    (the request frame's, or out of core: ``reports.rendering.scale``)."""
     gpus, known = gpus_of(entry)
     price = entry.gpu_hour_cost
-    tps = output_tps(frame)
     return {"gpus": gpus, "gpus_known": known, "gpu_hour_cost": price,
             "example_price": price is not None and entry.kind == "builtin",
             "output_tps": tps, "tps_per_gpu": tps / gpus,

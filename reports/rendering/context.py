@@ -37,9 +37,12 @@ REPORT_RESAMPLES = 1000
 REPORT_SEED = 0
 
 
-def build_context(d: ReportData, title: str | None = None, figures: bool = True) -> dict:
+def build_context(d: ReportData, title: str | None = None, figures: bool = True,
+                  stages: tuple[pd.DataFrame, pd.DataFrame] | None = None) -> dict:
     """Everything a template shows; ``figures=False`` skips the plots (the Markdown report
-    has none)."""
+    has none). ``stages``: (per-stage rates as ``overload.rates`` gives them, per-stage
+    figures for ``tables.stage_table``) computed over every request where ``d`` holds a
+    sample of them (``reports.rendering.scale``)."""
     f = d.frame
     eps = d.endpoint_names
     lean = M.slim(f, ("endpoint", "topology", "workload", "stage"))
@@ -50,7 +53,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
     gpu_figs = {ep: P.endpoint_figures(sub, d.endpoint(ep)) for ep, sub in per_ep.items()}
     example_price = any(gpu_figs[ep]["example_price"] for ep in eps)
     outcomes = {ep: M.outcomes(per_ep[ep]) for ep in eps}
-    stage_rates = O.rates(f)
+    stage_rates = O.rates(f) if stages is None else stages[0]
     capacity = build_capacity(d)
     searched = {(str(s.endpoint), str(s.workload), int(s.index)) for s in d.stages
                 if s.search is not None}
@@ -65,7 +68,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
         cols = list(plain)
         summary = summary_rows(cols, [plain[ep] for ep in cols],
                                [itl_values(plain[ep]) if len(plain[ep]) < len(per_ep[ep])
-                                else itl_cache[ep] for ep in cols])
+                                else itl_cache[ep] for ep in cols],
+                               ci=stages is None)  # a sample's: replaced (``scale``)
         summary.append(tables.overload_row(
             stage_rates[~_in_stages(stage_rates, searched)] if searched else stage_rates, cols,
             labels(d.stages)))
@@ -90,7 +94,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
                                       _rates_of(plain[ep]) > 1 for ep in cols) else ""})
 
     by_class = tables.group_tables(f, "request_class")
-    stage_table = tables.stage_table(d, stage_rates)
+    stage_table = tables.stage_table(d, stage_rates, None if stages is None else stages[1])
     names = labels(d.stages)  # "probe N" / "stage N", as the console says them
     by_stage = table_rows(stage_table.assign(stage=[label_of(names, *k) for k in zip(
         stage_table["endpoint"], stage_table["workload"], stage_table["stage"])]),
@@ -177,14 +181,15 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True)
 
 
 def summary_rows(cols: list[str], frames: list[pd.DataFrame],
-                 itls: list[np.ndarray]) -> list[dict]:
+                 itls: list[np.ndarray], ci: bool = True) -> list[dict]:
     """The Summary's metric rows, one column per frame (``cols`` its headers): requests, the
-    cancelled, each of ``SUMMARY_METRICS`` with its interval where ``CI_METRICS`` has one."""
+    cancelled, each of ``SUMMARY_METRICS`` with its interval where ``CI_METRICS`` has one
+    (``ci``)."""
     values, cis = [], []
     for sub, itl in zip(frames, itls):
         values.append(M.evaluate(sub, SUMMARY_METRICS))
         cis.append(M.evaluate(sub, CI_METRICS, ci=True, resamples=REPORT_RESAMPLES,
-                              seed=REPORT_SEED))
+                              seed=REPORT_SEED) if ci else {})
     rows = [metric_row("requests", "count", [len(x) for x in frames], None)]
     cancelled = [M.outcomes(x)["cancelled"] for x in frames]
     if any(cancelled):

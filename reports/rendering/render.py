@@ -73,17 +73,79 @@ def render_md(ctx: dict) -> str:
 
 def render(paths: Sequence[Path | str], fmt_: str = "html", slo=None,
            title: str | None = None, history: int = DEFAULT_RUNS,
-           sources: Sequence[Path | str] | None = None) -> str:
+           sources: Sequence[Path | str] | None = None,
+           max_requests: int | None = None) -> str:
     """The report of the runs in ``paths``; ``history``: at most that many runs of the
     results store the runs belong to (the parent of ``sources``, what the user named: a
-    folder or an ``s3://`` run; default ``paths``) in a History section, 0: none."""
-    from kvbench.reports.measures.data import load
+    folder or an ``s3://`` run; default ``paths``) in a History section, 0: none.
+    Runs of more than ``max_requests`` compacted requests in all (default
+    ``scale.MAX_REQUESTS``) are reported out of core (``reports.rendering.scale``)."""
+    from kvbench.reports.rendering import scale
 
-    d = load(paths, slo=slo)
-    ctx = build_context(d, title, figures=fmt_ == "html")
-    ctx["history"] = build_history(d.runs, list(sources or d.paths), history,
+    paths = [Path(p) for p in paths]
+    if scale.wanted(paths, max_requests):
+        ctx, runs = _scaled_context(paths, slo, title, fmt_ == "html")
+    else:
+        from kvbench.reports.measures.data import load
+
+        d = load(paths, slo=slo)
+        ctx, runs = build_context(d, title, figures=fmt_ == "html"), d.runs
+    ctx["history"] = build_history(runs, list(sources or paths), history,
                                    figures=fmt_ == "html")
     return render_html(ctx) if fmt_ == "html" else render_md(ctx)
+
+
+def _slo(slo, metas) -> dict:
+    """The SLOs ``load`` judges by: those given, else the runs' configs' merged."""
+    from kvbench.reports.measures.data import _slo as as_slo
+
+    if slo is None:
+        slo = {}
+        for meta in metas:
+            slo.update(meta.slo)
+    return as_slo(slo)
+
+
+def _scaled_context(paths: list[Path], slo, title: str | None,
+                    figures: bool) -> tuple[dict, list]:
+    """The context of runs too large to hold (``reports.rendering.scale``): built over a
+    seeded sample of their requests (temporary copies of the runs), the Summary's figures
+    exact over every request."""
+    import shutil
+    import tempfile
+
+    from kvbench.core.store import read_meta
+    from kvbench.reports.measures.data import load
+    from kvbench.reports.rendering import scale
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvbench-report-sample-"))
+    try:
+        per = max(1, scale.SAMPLE // len(paths))
+        samplers = [scale.Sampler(per, scale.compacted_requests(p)) for p in paths]
+        metas = [read_meta(p) for p in paths]
+        names: dict[str, int] = {}  # endpoint names that repeat across runs: name@run_id
+        for meta in metas:
+            for ep in {str(e.name) for e in meta.endpoints if e.name}:
+                names[ep] = names.get(ep, 0) + 1
+        labels = [(lambda e, rid=str(meta.run_id or p.name):
+                   e if names.get(e, 0) <= 1 else f"{e}@{rid}")
+                  for meta, p in zip(metas, paths)]
+        exact = scale.exact_figures(paths, labels, _slo(slo, metas), samplers)
+        copies = [scale.sampled_copy(p, tmp / f"{i}-{p.name}", s) for i, (p, s) in
+                  enumerate(zip(paths, samplers))]
+        d = load([c for c, _, _ in copies], slo=slo)
+        scale.scale_windows(d, {str(meta.run_id or p.name): m / n if n else 1.0
+                                for meta, p, (_, m, n) in zip(d.runs, paths, copies)})
+        stages = (scale.ordered_like(exact.rates, d.frame),
+                  scale.ordered_like(exact.stages, d.frame))
+        ctx = build_context(d, title, figures=figures, stages=stages)
+        scale.apply(ctx, d, exact, scale.Scale(sum(n for _, _, n in copies),
+                                               sum(m for _, m, _ in copies)))
+        for r, p in zip(ctx["runs"], paths):
+            r["path"] = str(p)  # the run's own folder, not the sample's
+        return ctx, d.runs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 __all__ = ["render", "render_html", "render_md", "build_context"]

@@ -112,17 +112,25 @@ def loop_pause_text(stage: StageEntry) -> str:
     return f"{float(ms):.1f} ms" + (f" ({'; '.join(parts)})" if parts else "")
 
 
-def stage_table(d: ReportData, rates: pd.DataFrame) -> pd.DataFrame:
+STAGE_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps", "ttft_p50",
+                 "ttft_p99", "tpot_p50", "e2e_p99", "error_rate", "lateness_p99")
+
+
+def stage_table(d: ReportData, rates: pd.DataFrame,
+                summary: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per stage: its load (offered req/s, or users of a closed loop), offered rate, achieved
-    throughput and goodput (``reports.overload.rates``), the verdict and latencies."""
+    throughput and goodput (``reports.overload.rates``), the verdict and latencies.
+    ``summary``: the per-stage figures (endpoint, workload, stage, requests, ``STAGE_METRICS``
+    and ``_no_slo``) computed elsewhere (out of core: ``reports.rendering.scale``)."""
     f = d.frame
-    t = M.summarise(f, by=["endpoint", "workload", "stage"],
-                    metrics=("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
-                             "ttft_p50", "ttft_p99", "tpot_p50", "e2e_p99", "error_rate",
-                             "lateness_p99"))
+    if summary is not None:
+        t = summary.copy()
+    else:
+        t = M.summarise(f, by=["endpoint", "workload", "stage"], metrics=STAGE_METRICS)
     if t.empty:
         return t
-    t = _mark_no_slo(t, f, ["endpoint", "workload", "stage"])
+    if summary is None:
+        t = _mark_no_slo(t, f, ["endpoint", "workload", "stage"])
     verdicts = {(str(r["endpoint"]), str(r["workload"]), int(r["stage"])): r["overloaded"]
                 for _, r in rates.iterrows()}
     offered, load, kind, over, pauses = [], [], set(), [], []

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -61,7 +61,8 @@ STAGE_KEYS = ("endpoint", "workload", "request_class", "stage")
 WORKLOAD_KEYS = ("endpoint", "workload")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
 # metric -> the definition giving its per-request values (ITL: the gaps, pooled)
-LATENCIES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "itl": "itl_gaps_ns"}
+LATENCIES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "lateness": "lateness_ms",
+             "itl": "itl_gaps_ns"}
 SCALARS = tuple(m for m in LATENCIES if m != "itl")  # one value per request
 ERROR_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "cancelled"))
 COUNTS = ("requests", "ok", "errors", "cancelled", "judged", "met",
@@ -88,6 +89,8 @@ class Aggregates:
 
     by_stage: pd.DataFrame  # keys STAGE_KEYS
     by_workload: pd.DataFrame  # keys WORKLOAD_KEYS
+    # any further level asked of ``aggregate`` (``levels``): name -> its frame, same columns
+    extra: dict[str, pd.DataFrame] = field(default_factory=dict)
 
 
 def _lit(s: str) -> str:
@@ -229,12 +232,13 @@ def _wants(hist: pd.DataFrame, keys: Sequence[str], qs: Sequence[float]) -> list
 
 def _wanted(hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
             qs: Sequence[float]) -> tuple[dict, pd.DataFrame]:
-    """The order statistics each level needs (``_wants``) and the (endpoint, workload, m, b)
-    buckets holding them."""
+    """The order statistics each level needs (``_wants``) and the (endpoint, m, b) buckets
+    holding them (every level's keys start with the endpoint: a bucket of an endpoint is
+    fetched for all its groups, which pass 2's per-group sort separates again)."""
     wants = {lvl: _wants(hist, keys, qs) for lvl, keys in levels.items()}
-    w = pd.DataFrame([(*key[:2], m, bk) for ws in wants.values() for key, m, _, picks in ws
+    w = pd.DataFrame([(key[0], m, bk) for ws in wants.values() for key, m, _, picks in ws
                       for _, pair in picks for bk, _ in pair],
-                     columns=["endpoint", "workload", "m", "b"]).drop_duplicates()
+                     columns=["endpoint", "m", "b"]).drop_duplicates()
     return wants, w.astype({"b": np.int64})
 
 
@@ -421,13 +425,17 @@ class _Hist:
 
 
 def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
-         qs: Sequence[float]) -> dict[str, dict]:
+         qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = ()
+         ) -> dict[str, dict]:
     """ITL's exact quantiles per level by two streamed passes over the gaps (numpy on
     small batches: no list is unnested into a table, no temporary outgrows the cache):
     pass 1 counts gaps per (group, bucket); pass 2 keeps the gaps of the wanted buckets."""
     columns = list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
     groups, hist = _Groups(), _Hist()
-    for batch in _itl_batches(run_dir, columns):
+    first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
+    for batch in _itl_batches(run_dir, first):
+        if on_batch is not None:
+            on_batch(batch)
         g, v = _gaps(batch, groups)
         if len(v):
             hist.add(g, _gap_bucket(v))
@@ -435,13 +443,13 @@ def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
     if not len(h):
         return {lvl: {} for lvl in levels}
     wants, w = _wanted(h, levels, qs)
-    # the wanted buckets per stage group (a workload's buckets are its stages' too)
-    wanted = set(zip(w["endpoint"].map(_norm), w["workload"].map(_norm), w["b"].tolist()))
+    # the wanted buckets per stage group (a coarser group's buckets are its stages' too)
+    wanted = set(zip(w["endpoint"].map(_norm), w["b"].tolist()))
     # (group, bucket - base): a wanted bucket (groups without gaps too: pass 1 numbered them)
     keep = np.zeros((len(groups.keys), hist.counts.shape[1]), bool)
     for i, key in enumerate(groups.keys):
-        for e, wl, b in wanted:
-            if (key[0], key[1]) == (e, wl):
+        for e, b in wanted:
+            if key[0] == e:
                 keep[i, b - hist.base] = True
     got_g, got_b, got_v = [], [], []
     for batch in _itl_batches(run_dir, columns):
@@ -464,9 +472,11 @@ def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
     out: dict[str, dict] = {lvl: {} for lvl in levels}
     for lvl, keys in levels.items():
         cache: dict = {}
+        pos = [STAGE_KEYS.index(k) for k in keys]
         for key, m, n, picks in wants[lvl]:
             key = tuple(key)
-            members = [i for i, k in enumerate(groups.keys) if k[:len(keys)] == key]
+            members = [i for i, k in enumerate(groups.keys)
+                       if tuple(k[p] for p in pos) == key]
 
             def bucket(bk: int):
                 if bk not in cache:
@@ -493,10 +503,17 @@ def _f64(v: np.ndarray) -> np.ndarray:
 
 def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
               quantiles: Mapping[str, float] = QUANTILES,
-              settings: Settings = Settings()) -> Aggregates:
+              settings: Settings = Settings(),
+              levels: Mapping[str, Sequence[str]] | None = None,
+              on_batch=None, batch_columns: Sequence[str] = ()) -> Aggregates:
     """The counts and exact latency percentiles of the run in ``run_dir`` (``Aggregates``).
 
-    ``slo``: {class: SLO or its dict}; None takes the run's own (run.json's config)."""
+    ``slo``: {class: SLO or its dict}; None takes the run's own (run.json's config).
+    ``levels``: further groupings, {name: keys} (keys among ``STAGE_KEYS``, the endpoint
+    first), returned in ``Aggregates.extra``. ``on_batch``: called with each batch of the
+    records (in file order, ``batch_columns`` among its columns) as the first ITL pass reads
+    them, so that a caller takes what it needs of every request (a seeded sample: the
+    report's ``scale``) without decoding the chunk lists once more."""
     run_dir = Path(run_dir)
     if slo is None:
         slo = read_meta(run_dir).slo
@@ -510,7 +527,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
         _records(con, run_dir, columns)
         _views(con, slo)
         counts = _counts(con)
-        levels = {"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS}
+        levels = {"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS, **{
+            name: tuple(keys) for name, keys in (levels or {}).items()}}
         qs = list(quantiles.values())
         picked: dict[str, dict] = {lvl: {} for lvl in levels}
         hist = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, m, b, count(*) AS n "
@@ -518,7 +536,7 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
         if len(hist):
             for lvl, got in _select(con, "scalar_values", hist, levels, qs, _f64).items():
                 picked[lvl].update(got)
-        for lvl, got in _itl(run_dir, levels, qs).items():
+        for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns).items():
             picked[lvl].update(got)
     finally:
         con.close()
@@ -539,4 +557,75 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
             for p in quantiles:
                 f[f"{m}_{p}"] = np.asarray(cols[p], np.float64)
         frames[lvl] = f
-    return Aggregates(**frames)
+    return Aggregates(by_stage=frames.pop("by_stage"), by_workload=frames.pop("by_workload"),
+                      extra=frames)
+
+
+# --------------------------------------------------------------------------- stage figures
+
+# per (STAGE_KEYS) group: the extremes of its times (float64 ns, as the request frame takes
+# them: ``frame._stage_walls``) and the sums the rates and means divide
+_TIMES = {
+    "first_sched": "min(CAST(t_scheduled AS DOUBLE))",
+    "last_sched": "max(CAST(t_scheduled AS DOUBLE))",
+    "last_end": "max(CAST(t_sent AS DOUBLE) + coalesce(CAST(e2e_ns AS DOUBLE), 0))",
+    "first_sent": "min(CAST(t_sent AS DOUBLE)) FILTER (WHERE t_sent > 0)",
+    "last_done": "max(CAST(t_sent AS DOUBLE) + coalesce(CAST(e2e_ns AS DOUBLE), 0)) "
+                 "FILTER (WHERE t_sent > 0 AND NOT {cancelled})",
+    "last_token": "max(CAST(t_sent AS DOUBLE) + CAST(ttft_ns AS DOUBLE)) "
+                  "FILTER (WHERE t_sent > 0 AND {ok} AND ttft_ns IS NOT NULL)",
+}
+_SUMS = ("finished", "has_slo", "hit_counted")  # counted beside aggregate's COUNTS
+
+
+def stage_figures(run_dir: Path | str, slo: Mapping | None = None, *,
+                  settings: Settings = Settings()) -> pd.DataFrame:
+    """Per (endpoint, workload, request_class, stage): the times a stage's windows are made of
+    (``_TIMES``: float64 ns on the master's clock, NaN where no row has one), the counts of ``_SUMS``, the token sums
+    of successful requests (``ok_prompt_tokens``, ``ok_completion_tokens``), those of the
+    prefix hit ratio (``hit_cached_tokens``, ``hit_prompt_tokens``), and per latency of
+    ``SCALARS`` and lateness its ``<m>_sum`` and ``<m>_count`` (the mean's terms): one DuckDB
+    aggregate over the scalar columns, nothing per request kept."""
+    run_dir = Path(run_dir)
+    meta = read_meta(run_dir)
+    if slo is None:
+        slo = meta.slo
+    slo = slo_map({c: s.model_dump() if hasattr(s, "model_dump") else s
+                   for c, s in (slo or {}).items()})
+    # each worker's send times on the master's clock, as the request frame takes them
+    # (``core.compact.align_worker_clocks``)
+    shifts = {str(w): int(o) for w, o in (meta.worker_clock_offsets_ns or {}).items()
+              if int(o)}
+    shift = ("" if not shifts else " + CASE worker " + " ".join(
+        f"WHEN {_lit(w)} THEN {o}" for w, o in shifts.items()) + " ELSE 0 END")
+    defs = ["ok", "cancelled", *_SUMS, "prompt_tokens", "completion_tokens", "cached_tokens",
+            *(LATENCIES[m] for m in SCALARS)]
+    columns = list(dict.fromkeys([*STAGE_KEYS, "t_scheduled", "t_sent", "ttft_ns", "e2e_ns",
+                                  "worker", *D.inputs(defs)]))
+    tmp = settings.temp_directory or tempfile.mkdtemp(prefix="kvbench-duckdb-")
+    con = connect(settings, tmp)
+    try:
+        _records(con, run_dir, columns)
+        per = {d: D.sql(d, slo) for d in defs}
+        con.execute(f"CREATE TEMP VIEW fig AS SELECT {', '.join(STAGE_KEYS)}, "
+                    f"t_scheduled{shift} AS t_scheduled, t_sent{shift} AS t_sent, ttft_ns, "
+                    "e2e_ns, "
+                    + ", ".join(f"{e} AS {d}" for d, e in per.items()) + " FROM records")
+        aggs = [f"{e.format(ok='ok', cancelled='cancelled')} AS {k}" for k, e in _TIMES.items()]
+        aggs += [f"count_if({f}) AS {f}" for f in _SUMS]
+        aggs += ["sum(CASE WHEN ok THEN prompt_tokens END) AS ok_prompt_tokens",
+                 "sum(CASE WHEN ok THEN completion_tokens END) AS ok_completion_tokens",
+                 "sum(CASE WHEN hit_counted THEN cached_tokens END) AS hit_cached_tokens",
+                 "sum(CASE WHEN hit_counted THEN prompt_tokens END) AS hit_prompt_tokens"]
+        for m in SCALARS:
+            aggs += [f"sum({LATENCIES[m]}) AS {m}_sum", f"count({LATENCIES[m]}) AS {m}_count"]
+        got = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, {', '.join(aggs)} FROM fig "
+                          "GROUP BY ALL").fetch_df()
+    finally:
+        con.close()
+        if settings.temp_directory is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for c in got.columns:
+        if c not in STAGE_KEYS:
+            got[c] = got[c].astype(np.float64)
+    return got.sort_values(list(STAGE_KEYS)).reset_index(drop=True)
