@@ -31,6 +31,7 @@ record = st.fixed_dictionaries({
     "completion_tokens_client": maybe(st.integers(0, 3)),
     "cached_tokens": maybe(st.integers(0, 10**5)),
     "chunk_offsets_ns": maybe(st.lists(st.integers(0, 10**10), max_size=6).map(sorted)),
+    "streamed": maybe(st.booleans()),  # false: sent without streaming, no TTFT by design
 })
 slos = st.dictionaries(st.sampled_from(["chat", "rag", "trace"]), st.fixed_dictionaries({
     "ttft_ms": maybe(st.floats(0.001, 1e4)), "tpot_ms": maybe(st.floats(0.001, 1e3)),
@@ -108,3 +109,21 @@ def test_sql_renders_every_definition():
     for name in NAMES:
         got = duckdb.sql(f"SELECT {D.sql(name, slo)} AS v FROM requests").fetchall()[0][0]
         assert got == want[name].to_pylist()[0], name
+
+
+def test_a_request_sent_without_streaming_is_judged_on_e2e_not_on_ttft():
+    """A trace's "type": "n" request has no first token by design: its class's TTFT limit does
+    not apply; the same answer streamed without a first token misses it; an old record (no
+    column) counts as streamed."""
+    base = {"status": "ok", "request_class": "chat", "t_scheduled": EPOCH, "t_sent": EPOCH,
+            "ttft_ns": None, "e2e_ns": 2 * 10**9, "prompt_tokens": 10,
+            "prompt_tokens_client": 10, "completion_tokens": 5, "completion_tokens_client": 5,
+            "cached_tokens": None, "chunk_offsets_ns": None}
+    records = [{**base, "streamed": False}, {**base, "streamed": True}, {**base, "streamed": None},
+               {**base, "streamed": False, "e2e_ns": 9 * 10**9}]
+    slo = {"chat": {"ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 5000.0}}
+    columns = {c: [r[c] for r in records] for c in D.INPUTS}
+    got = D.evaluate(["slo_met"], columns, slo, n=len(records))["slo_met"]
+    assert np.asarray(got.data).tolist() == [True, False, False, False]
+    arrow = D.evaluate_arrow(as_table(records), ["slo_met"], slo)["slo_met"].to_pylist()
+    assert arrow == [True, False, False, False]

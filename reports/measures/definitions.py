@@ -32,7 +32,7 @@ NS_PER_MS = 1e6
 # --------------------------------------------------------------------------- the definitions
 
 
-def within(value: Expr, key: str, absent_ok: bool) -> Expr:
+def within(value: Expr, key: str, absent_ok: "bool | Expr") -> Expr:
     """The request meets its class's limit on ``key`` (true when the class sets none); a
     request without the value meets it when ``absent_ok``."""
     return or_(is_null(Limit(key)), coalesce(le(value, Limit(key)), absent_ok))
@@ -53,7 +53,10 @@ TPOT_MS = if_(and_(OK, gt(COMPLETION, 1)), div(sub(E2E_MS, TTFT_MS), sub(COMPLET
 # epoch ns: subtracted as integers (exact) before the division
 LATENESS_MS = div(sub(Col("t_sent"), Col("t_scheduled")), NS_PER_MS)
 HAS_SLO = or_(*(not_(is_null(Limit(k))) for k in SLO.LIMITS))
-SLO_MET = and_(OK, within(TTFT_MS, "ttft_ms", False), within(TPOT_MS, "tpot_ms", True),
+# sent without streaming (a trace's "type": "n"): no first token by design, so its class's
+# TTFT limit does not apply (E2E does); a record from before the column counts as streamed
+NOT_STREAMED = coalesce(eq(Col("streamed"), 0), False)
+SLO_MET = and_(OK, within(TTFT_MS, "ttft_ms", NOT_STREAMED), within(TPOT_MS, "tpot_ms", True),
                within(E2E_MS, "e2e_ms", False))
 JUDGED = and_(FINISHED, HAS_SLO)  # the denominator of SLO attainment
 MET = and_(SLO_MET, HAS_SLO)  # its numerator, and goodput's count
@@ -75,7 +78,8 @@ FLAGS = frozenset({"ok", "cancelled", "finished", "failed", "has_slo", "slo_met"
 INPUTS = {"status": "str", "request_class": "str", "t_scheduled": "int", "t_sent": "int",
           "ttft_ns": "int", "e2e_ns": "int", "prompt_tokens": "int",
           "prompt_tokens_client": "int", "completion_tokens": "int",
-          "completion_tokens_client": "int", "cached_tokens": "int", "chunk_offsets_ns": "list"}
+          "completion_tokens_client": "int", "cached_tokens": "int", "chunk_offsets_ns": "list",
+          "streamed": "int"}  # a bool, held as 0/1
 
 
 def gap_ms32(gaps_ns: np.ndarray) -> np.ndarray:

@@ -31,7 +31,8 @@ FRAME_COLUMNS = ("endpoint", "topology", "workload", "request_class", "session_i
                  "http_status", "prompt_tokens", "prompt_tokens_client", "completion_tokens",
                  "completion_tokens_client", "cached_tokens", "shared_prefix_tokens",
                  "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "e2e_ns", "server_queue_ns",
-                 "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns")
+                 "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
+                 "streamed")
 # the per-request definitions a frame holds as columns of the same names (the ITL gaps beside it)
 _DEFINED = [k for k in D.DEFINITIONS if k != "itl_gaps_ns"]
 _STRING_COLS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
