@@ -93,6 +93,7 @@ from kvbench.workloads.tokenizer import get_tokenizer  # noqa: E402
 # The harness itself (the fixed-rate run, the per-class judgement, the bisection and the seeds'
 # summary) is the product's (``kvbench predict`` runs it too); its names stay importable here.
 from kvbench.runs.virtual import (  # noqa: E402,F401
+    load_workload,
     capacity,
     pooled_fit,
     run_rate,
@@ -124,27 +125,14 @@ def primes(config: Path, workload: str) -> list[tuple[int, list[int]]]:
 def load(config: Path, workload: str, warm: bool) -> tuple[list[tuple], dict, list | None]:
     """``prompts`` and (``warm``) ``primes`` from one build of the workload: its requests,
     the SLOs by class, and the shared prefixes (None when not ``warm``)."""
-    from kvbench.runs.cache import shared_prefixes
-
-    job = _job(config, workload)
-    tok = get_tokenizer("builtin")
-    built = job.build_workload(tok)
-    out = []
-    if hasattr(built, "describe_agentic"):  # sessions, replayed by run_sessions
+    cfg = load_config(config)
+    if getattr(cfg.workloads.get(workload), "format", None) == "agentic":
+        job = _job(config, workload)  # sessions, replayed by run_sessions
+        built = job.build_workload(get_tokenizer("builtin"))
         return sim_sessions(built), {k: s.limits() for k, s in job.slo.items()}, \
             ([] if warm else None)
-    for req in built.requests():
-        text = req.prompt if req.messages is None else tok.render_chat(list(req.messages))
-        tokens = tok.tokens(text)
-        out.append((req.request_class, len(tokens), block_hashes(tokens, 16), req.max_tokens))
-    slo = {k: s.limits() for k, s in job.slo.items()}
-    prime = None
-    if warm:
-        prime = []
-        for text in shared_prefixes(built, tok):
-            tokens = tok.tokens(text)
-            prime.append((len(tokens), block_hashes(tokens, 16)))
-    return out, slo, prime
+    w = load_workload(cfg, workload, warm)  # the product's loader
+    return w.reqs, w.slo, w.prime
 
 
 def sim_sessions(built, block: int = 16) -> list[tuple]:
