@@ -52,6 +52,11 @@ E2E_MS = if_(OK, div(Col("e2e_ns"), NS_PER_MS), NULL)
 TPOT_MS = if_(and_(OK, gt(COMPLETION, 1)), div(sub(E2E_MS, TTFT_MS), sub(COMPLETION, 1)), NULL)
 # epoch ns: subtracted as integers (exact) before the division
 LATENESS_MS = div(sub(Col("t_sent"), Col("t_scheduled")), NS_PER_MS)
+# from the intended send time (coordinated omission): lateness + TTFT (E2E), summed in integer
+# ns before the division; written as ttft - (scheduled - sent), the expressions have no "add"
+LATE_NS = sub(Col("t_scheduled"), Col("t_sent"))
+TTFT_INTENDED_MS = if_(OK, div(sub(Col("ttft_ns"), LATE_NS), NS_PER_MS), NULL)
+E2E_INTENDED_MS = if_(OK, div(sub(Col("e2e_ns"), LATE_NS), NS_PER_MS), NULL)
 HAS_SLO = or_(*(not_(is_null(Limit(k))) for k in SLO.LIMITS))
 # sent without streaming (a trace's "type": "n"): no first token by design, so its class's
 # TTFT limit does not apply (E2E does); a record from before the column counts as streamed
@@ -68,7 +73,8 @@ DEFINITIONS: dict[str, Expr] = {
     "ok": OK, "cancelled": CANCELLED, "finished": FINISHED, "failed": FAILED,
     "prompt_tokens": PROMPT, "completion_tokens": COMPLETION,
     "cached_tokens": Col("cached_tokens"), "ttft_ms": TTFT_MS,
-    "tpot_ms": TPOT_MS, "e2e_ms": E2E_MS, "lateness_ms": LATENESS_MS, "has_slo": HAS_SLO,
+    "tpot_ms": TPOT_MS, "e2e_ms": E2E_MS, "lateness_ms": LATENESS_MS,
+    "ttft_intended_ms": TTFT_INTENDED_MS, "e2e_intended_ms": E2E_INTENDED_MS, "has_slo": HAS_SLO,
     "slo_met": SLO_MET, "judged": JUDGED, "met": MET, "hit_counted": HIT_COUNTED,
     "itl_gaps_ns": ITL_GAPS_NS}
 FLAGS = frozenset({"ok", "cancelled", "finished", "failed", "has_slo", "slo_met", "judged",

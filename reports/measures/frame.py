@@ -32,11 +32,11 @@ FRAME_COLUMNS = ("endpoint", "topology", "workload", "request_class", "session_i
                  "completion_tokens_client", "cached_tokens", "shared_prefix_tokens",
                  "t_scheduled", "t_sent", "connect_ns", "ttft_ns", "e2e_ns", "server_queue_ns",
                  "server_prefill_ns", "server_kv_transfer_ns", "server_first_decode_ns",
-                 "streamed")
+                 "streamed", "parent_session_id", "subagent_index")
 # the per-request definitions a frame holds as columns of the same names (the ITL gaps beside it)
 _DEFINED = [k for k in D.DEFINITIONS if k != "itl_gaps_ns"]
 _STRING_COLS = ("endpoint", "topology", "workload", "request_class", "session_id", "worker",
-                "status", "error", "server_replica", "server_region")
+                "status", "error", "server_replica", "server_region", "parent_session_id")
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +169,8 @@ def request_frame(table: pa.Table, *, stages: Sequence[StageEntry | Mapping] = (
     cols.update({
         "stage": table.column("stage").to_numpy(zero_copy_only=False),
         "turn": table.column("turn").to_numpy(zero_copy_only=False),
+        # a sub-agent's order among its siblings (-1, or NaN on older records: top level)
+        "subagent_index": _f64(table, "subagent_index"),
         "ok": d["ok"].data,
         "cancelled": d["cancelled"].data,
         "http_status": _f64(table, "http_status"),
@@ -178,8 +180,8 @@ def request_frame(table: pa.Table, *, stages: Sequence[StageEntry | Mapping] = (
         "shared_prefix_tokens": _f64(table, "shared_prefix_tokens"),
         "t_scheduled_ns": t_sched,
         "t_sent_ns": t_sent,
-        **{name: D.floats(d[name]) for name in ("ttft_ms", "tpot_ms", "e2e_ms",
-                                                "lateness_ms")},
+        **{name: D.floats(d[name]) for name in ("ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms",
+                                                "ttft_intended_ms", "e2e_intended_ms")},
         "connect_ms": _f64(table, "connect_ns") / NS_PER_MS,
         # when the request stopped (last byte, or the error): the end of the achieved interval
         "t_done_ns": t_sent.astype(np.float64) + np.nan_to_num(e2e_ns),

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # The metrics a gate rule may name: ``reports.metrics`` registers exactly these (it asserts so
 # at import). Kept here, apart from their pandas implementations, so loading a config (a load
 # process does) validates gate rules without importing pandas.
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e", "lateness")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e", "lateness", "ttft_intended", "e2e_intended")
 QUANTILE_NAMES = ("p50", "p90", "p95", "p99", "p999")
 OTHER_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
                  "slo_attainment", "output_tps", "input_tps", "error_rate", "hit_ratio")

@@ -221,10 +221,10 @@ def endpoint_figures(agg_ep: pd.Series, figs: pd.DataFrame, windows: pd.DataFram
                       if hit_prompt > 0 else math.nan),
         "wall_s": _window(windows, "wall"),
     }
-    for m in ("ttft", "tpot", "itl", "e2e", "lateness"):
+    for m in ("ttft", "tpot", "itl", "e2e", "lateness", "ttft_intended", "e2e_intended"):
         for p in ("p50", "p90", "p99", "p999"):
             out[f"{m}_{p}"] = float(agg_ep.get(f"{m}_{p}", math.nan))
-    for m in ("ttft", "tpot", "e2e", "lateness"):
+    for m in ("ttft", "tpot", "e2e", "lateness", "ttft_intended", "e2e_intended"):
         n = float(figs[f"{m}_count"].sum())
         out[f"{m}_mean"] = float(figs[f"{m}_sum"].sum()) / n if n else math.nan
     return out

@@ -18,7 +18,8 @@ from kvbench.reports.analysis.numbering import label_of, number
 
 # ITL stays in the per-endpoint summary: pooling gaps per group costs a gather of millions.
 GROUP_METRICS = ("offered_rps", "throughput_rps", "goodput_rps", "slo_attainment", "ttft_p50",
-                 "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p99", "error_rate", "hit_ratio")
+                 "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p99", "ttft_intended_p99",
+                 "e2e_intended_p99", "error_rate", "hit_ratio")
 
 
 def group_tables(f: pd.DataFrame, key: str,

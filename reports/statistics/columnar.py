@@ -62,6 +62,7 @@ WORKLOAD_KEYS = ("endpoint", "workload")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
 # metric -> the definition giving its per-request values (ITL: the gaps, pooled)
 LATENCIES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "lateness": "lateness_ms",
+             "ttft_intended": "ttft_intended_ms", "e2e_intended": "e2e_intended_ms",
              "itl": "itl_gaps_ns"}
 SCALARS = tuple(m for m in LATENCIES if m != "itl")  # one value per request
 ERROR_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "cancelled"))

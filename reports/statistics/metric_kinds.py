@@ -30,6 +30,11 @@ DEFINITIONS = {
     "E2E": "end to end: last byte of the response minus t_sent (successful requests).",
     "lateness": "client lateness: t_sent - t_scheduled, every request sent (the load "
                 "generator's own delay; never hidden).",
+    "intended": "latency from the intended send time (coordinated omission): TTFT or E2E plus "
+                "the request's lateness, (t_sent - t_scheduled) + TTFT and likewise for E2E "
+                "(successful requests): a backlog that delays sends behind a slow endpoint "
+                "counts against it. Equal to TTFT and E2E when every request was sent on time "
+                "(think-time replays, closed loops).",
     "throughput": "achieved throughput: requests finished (succeeded or failed; not those "
                   "cancelled at the stop) per second of the achieved interval, from the stage's "
                   "first send to its last completion, drain included (as vllm bench serve and "

@@ -8,7 +8,9 @@ disagree on a definition; the per-request values under them are ``reports.defini
 live view's too.
 
 Definitions (DESIGN.md; printed in every report's appendix from ``DEFINITIONS``):
-latency metrics count successful requests only; lateness counts every request sent; rates
+latency metrics count successful requests only; lateness counts every request sent; the
+intended-send latencies (``ttft_intended``, ``e2e_intended``) add a request's lateness to its
+TTFT and E2E (coordinated omission: a backlog's delay is not hidden); rates
 divide by the wall time of the load stages the rows came from. A request cancelled at the stop
 (status ``cancelled``: still in flight when its stage or the run ended) is neither a success
 nor an error: it is counted apart and left out of error rate, SLO attainment, throughput and
@@ -57,7 +59,11 @@ def _register_latencies() -> None:
                                    ("tpot", "tpot_ms", "TPOT", "TPOT"),
                                    ("itl", None, "ITL", "ITL"),
                                    ("e2e", "e2e_ms", "E2E", "E2E"),
-                                   ("lateness", "lateness_ms", "client lateness", "lateness")):
+                                   ("lateness", "lateness_ms", "client lateness", "lateness"),
+                                   ("ttft_intended", "ttft_intended_ms", "TTFT from intended",
+                                    "intended"),
+                                   ("e2e_intended", "e2e_intended_ms", "E2E from intended",
+                                    "intended")):
         for qn, q in [*QUANTILES.items(), ("mean", None)]:
             name, text = f"{base}_{qn}", f"{label} {qn.replace('p999', 'p99.9')}"
             register(PerRequest(name, text, term, col, q) if col else
@@ -157,7 +163,7 @@ def evaluate(frame: pd.DataFrame, names: Iterable[str], ci: bool = False,
 METRIC_COLUMNS = ("ok", "cancelled", "slo_met", "has_slo", "stage_key", "stage_wall_s",
                   "stage_achieved_s", "stage_offered_s", "stage_started_s", "prompt_tokens",
                   "completion_tokens", "cached_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
-                  "lateness_ms", "itl_row")
+                  "lateness_ms", "ttft_intended_ms", "e2e_intended_ms", "itl_row")
 
 
 def slim(frame: pd.DataFrame, keep: Iterable[str] = ()) -> pd.DataFrame:
