@@ -14,6 +14,7 @@ import pandas as pd
 from kvbench.core import redact
 from kvbench.core.contract import EndpointEntry
 from kvbench.reports.analysis import engine_counters as E
+from kvbench.reports.rendering import agentic_section
 from kvbench.reports.statistics import metrics as M
 from kvbench.reports.analysis import overload as O
 from kvbench.reports.analysis import pareto as P
@@ -30,7 +31,8 @@ SUMMARY_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps"
                    "slo_attainment", "output_tps", "input_tps",
                    "ttft_p50", "ttft_p90", "ttft_p99", "ttft_p999", "ttft_mean", "tpot_p50",
                    "tpot_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99", "lateness_p99",
-                   "error_rate", "hit_ratio")
+                   "ttft_intended_p50", "ttft_intended_p99", "e2e_intended_p50",
+                   "e2e_intended_p99", "error_rate", "hit_ratio")
 CI_METRICS = ("goodput_rps", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p99",
               "e2e_p99", "error_rate", "hit_ratio")
 REPORT_RESAMPLES = 1000
@@ -177,6 +179,8 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True,
         "workloads": d.workloads,
         "workloads_sent": d.workloads_sent,
         "n_requests": len(f),
+        "agentic": agentic_section.section(d),
+        "intended_note": agentic_section.intended_note(f),
     }
 
 
