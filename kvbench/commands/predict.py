@@ -27,6 +27,10 @@ def add_parser(p) -> None:
                    help="the suite whose workloads and SLOs to predict under, filling in what "
                         "--config lacks (its [slo] tables win)")
     p.add_argument("--format", choices=("text", "json", "md"), default="text")
+    p.add_argument("--save", default=None, metavar="RUN_DIR",
+                   help="also write the prediction into this run folder (prediction.json), "
+                        "where kvbench report sets it beside the run's measurement; without "
+                        "--workload, the run's workload where it measured one")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, default=1, help="seeds seed..seed+N-1 (median)")
     p.add_argument("--seconds", type=float, default=120.0,
@@ -99,7 +103,12 @@ def run(args) -> int:
                             "holds its endpoint only); pass --slo-config bench.toml, the "
                             "suite whose workloads and SLOs to use") from None
         raise
-    settings = pr.Settings(workload=args.workload, topology=args.topology,
+    workload = args.workload
+    if args.save is not None:
+        _, wls = pr.run_workloads(args.save)
+        if workload is None and len(wls) == 1 and wls[0] in cfg.workloads:
+            workload = wls[0]
+    settings = pr.Settings(workload=workload, topology=args.topology,
                            options=options(args.options), endpoint=args.endpoint,
                            seed=args.seed, seeds=args.seeds, seconds=args.seconds,
                            warmup_s=args.warmup_s, target=args.target,
@@ -108,6 +117,10 @@ def run(args) -> int:
     say = (lambda line: print(f"  {line}", file=sys.stderr, flush=True)) \
         if args.format == "text" and sys.stderr.isatty() else (lambda line: None)
     res = pr.predict(cfg, path, settings, say)
+    if args.save is not None:
+        saved = pr.save(res, cfg, args.save)
+        print(f"kvbench predict: saved to {saved} (kvbench report {args.save} sets it beside "
+              "the measurement)", file=sys.stderr)
     if args.format == "json":
         import json
 

@@ -15,8 +15,11 @@ every option not fitted is listed as assumed, with its value and where it came f
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -274,3 +277,72 @@ def predict(cfg, path, settings: Settings, say=lambda line: None) -> dict:
             "skipped": [ep.name for ep in cfg.endpoints if ep.kind != "builtin"
                         and settings.endpoint in (None, ep.name)],
             "wall_s": time.monotonic() - t0, "cpu_s": time.process_time() - cpu0}
+
+
+def run_workloads(run_dir) -> tuple[list[str], list[str]]:
+    """(endpoints, workloads) a run folder measured, from its run.json; a user error naming
+    the folder where it holds no run."""
+    from kvbench.core.errors import DataError
+    from kvbench.core.store import read_meta
+
+    try:
+        meta = read_meta(run_dir)
+    except (DataError, OSError) as err:
+        raise UserError(f"--save {run_dir}: not a run folder kvbench can read ({err}); give "
+                        "the results folder of the run to compare with") from None
+    eps = [str(e.name) for e in meta.endpoints if e.name]
+    wls = list(dict.fromkeys(str(s.workload) for s in meta.stages if s.workload))
+    return eps, wls
+
+
+def save(res: dict, cfg, run_dir) -> Path:
+    """Write the prediction ``res`` into ``run_dir/prediction.json``, where ``kvbench report``
+    sets it beside the run's measurement (``reports.analysis.diagnose.twin``). Each endpoint
+    names the run's endpoint it predicts (``measured_endpoint``): the same name, else the
+    twin's ``source_endpoint``, else the run's only endpoint. A prediction of the same
+    workload and endpoints replaces the one saved before; others are kept."""
+    from kvbench.reports.analysis.diagnose.twin import KIND, PREDICTION_FILE, read_predictions
+
+    run_dir = Path(run_dir)
+    eps, _ = run_workloads(run_dir)
+    t = cfg.twin
+    extra = dict(t.model_extra or {}) if t is not None else {}
+    for e in res["endpoints"]:
+        name = e["endpoint"]
+        if name in eps:
+            e["measured_endpoint"] = name
+        elif extra.get("source_endpoint") in eps and _twin_of(cfg, name) is not None:
+            e["measured_endpoint"] = extra["source_endpoint"]
+        elif len(eps) == 1:
+            e["measured_endpoint"] = eps[0]
+        else:
+            raise UserError(f"--save {run_dir}: endpoint {name!r} of {res['config']} is not "
+                            f"one of the run's {eps}; pass --endpoint for the twin and name it "
+                            "as the run's endpoint, or set [twin] source_endpoint")
+    res = {**res, "twin": {"path": res["config"], "endpoint": None if t is None
+                           else t.endpoint, "fitted": [] if t is None else list(t.fitted),
+                           **{k: extra.get(k) for k in ("source_run", "source_endpoint",
+                                                        "reliable")}}}
+
+    def key(p):
+        return (p.get("workload"), sorted(e.get("measured_endpoint") or ""
+                                          for e in p.get("endpoints", [])))
+
+    kept = [p for p in read_predictions(run_dir) if key(p) != key(res)]
+    path = run_dir / PREDICTION_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_finite({"kind": KIND, "predictions": [*kept, res]}), indent=1,
+                              default=str, allow_nan=False), "utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _finite(x):
+    """``x`` with every NaN as None (JSON has no NaN)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and x != x:
+        return None
+    return x
