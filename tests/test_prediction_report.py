@@ -213,6 +213,20 @@ def test_predict_save_into_a_folder_without_a_run_is_one_sentence(tmp_path, caps
     assert "--save" in err and "not a run folder" in err and "Traceback" not in err
 
 
+def test_predict_save_of_an_endpoint_the_run_lacks_is_one_sentence(tmp_path, capsys):
+    run = tmp_path / "search"
+    run.mkdir()
+    (run / "run.json").write_bytes((ROOT / "tests/data/runs/search/run.json").read_bytes())
+    cfg = tmp_path / "twin.toml"
+    cfg.write_text(tiny_chat_config(EP, 4, "[profiles.p]\npacing = \"poisson\"\n"
+                                    "stages = [{ rate_rps = 1.0, duration_s = 1 }]\n", 100.0)
+                   .replace("@RESULTS@", str(tmp_path / "results")))
+    assert main(["predict", "--config", str(cfg), "--save", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'tiny'" in err and "source_endpoint" in err
+    assert not (run / T.PREDICTION_FILE).exists()
+
+
 def test_the_section_in_headless_chromium(run_dir, tmp_path):
     sync_api = browser_or_skip()
     run = search_run(tmp_path / "twin-run")

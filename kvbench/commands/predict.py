@@ -114,11 +114,13 @@ def run(args) -> int:
                            warmup_s=args.warmup_s, target=args.target,
                            precision=args.precision, guess=args.guess,
                            loads=_fractions(args.loads), warm=False if args.cold else None)
+    measured = pr.measured_as(cfg, [ep.name for ep in pr.endpoints(cfg, path, settings)],
+                              args.save) if args.save is not None else None
     say = (lambda line: print(f"  {line}", file=sys.stderr, flush=True)) \
         if args.format == "text" and sys.stderr.isatty() else (lambda line: None)
     res = pr.predict(cfg, path, settings, say)
     if args.save is not None:
-        saved = pr.save(res, cfg, args.save)
+        saved = pr.save(res, cfg, args.save, measured)
         print(f"kvbench predict: saved to {saved} (kvbench report {args.save} sets it beside "
               "the measurement)", file=sys.stderr)
     if args.format == "json":

@@ -295,30 +295,40 @@ def run_workloads(run_dir) -> tuple[list[str], list[str]]:
     return eps, wls
 
 
-def save(res: dict, cfg, run_dir) -> Path:
+def measured_as(cfg, names: list[str], run_dir) -> dict[str, str]:
+    """Per predicted endpoint of ``names``, the endpoint of the run in ``run_dir`` it
+    predicts: the same name, else the twin's ``source_endpoint``, else the run's only
+    endpoint (one predicted of one measured); a user error naming the endpoint where none is."""
+    eps, _ = run_workloads(run_dir)
+    t = cfg.twin
+    source = dict(t.model_extra or {}).get("source_endpoint") if t is not None else None
+    out = {}
+    for name in names:
+        if name in eps:
+            out[name] = name
+        elif source in eps and _twin_of(cfg, name) is not None:
+            out[name] = source
+        elif len(eps) == 1 and len(names) == 1:
+            out[name] = eps[0]
+        else:
+            raise UserError(f"--save {run_dir}: endpoint {name!r} of the config is not one of "
+                            f"the run's {eps}; pick the twin with --endpoint and set its "
+                            "[twin] source_endpoint to the run's endpoint it models")
+    return out
+
+
+def save(res: dict, cfg, run_dir, measured: dict[str, str]) -> Path:
     """Write the prediction ``res`` into ``run_dir/prediction.json``, where ``kvbench report``
-    sets it beside the run's measurement (``reports.analysis.diagnose.twin``). Each endpoint
-    names the run's endpoint it predicts (``measured_endpoint``): the same name, else the
-    twin's ``source_endpoint``, else the run's only endpoint. A prediction of the same
-    workload and endpoints replaces the one saved before; others are kept."""
+    sets it beside the run's measurement (``reports.analysis.diagnose.twin``), each endpoint
+    naming the run's endpoint it predicts (``measured``: ``measured_as``). A prediction of
+    the same workload and endpoints replaces the one saved before; others are kept."""
     from kvbench.reports.analysis.diagnose.twin import KIND, PREDICTION_FILE, read_predictions
 
     run_dir = Path(run_dir)
-    eps, _ = run_workloads(run_dir)
     t = cfg.twin
     extra = dict(t.model_extra or {}) if t is not None else {}
     for e in res["endpoints"]:
-        name = e["endpoint"]
-        if name in eps:
-            e["measured_endpoint"] = name
-        elif extra.get("source_endpoint") in eps and _twin_of(cfg, name) is not None:
-            e["measured_endpoint"] = extra["source_endpoint"]
-        elif len(eps) == 1:
-            e["measured_endpoint"] = eps[0]
-        else:
-            raise UserError(f"--save {run_dir}: endpoint {name!r} of {res['config']} is not "
-                            f"one of the run's {eps}; pass --endpoint for the twin and name it "
-                            "as the run's endpoint, or set [twin] source_endpoint")
+        e["measured_endpoint"] = measured[e["endpoint"]]
     res = {**res, "twin": {"path": res["config"], "endpoint": None if t is None
                            else t.endpoint, "fitted": [] if t is None else list(t.fitted),
                            **{k: extra.get(k) for k in ("source_run", "source_endpoint",
