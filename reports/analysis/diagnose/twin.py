@@ -40,6 +40,7 @@ KIND = "kvbench-prediction"
 GAP = 0.15  # a relative gap beyond this is a finding (the "within 15%")
 LATENCY = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
 
+NAMES = {"ttft_p50": "TTFT p50", "tpot_p50": "TPOT p50"}
 PARAMETERS = {
     "kv_capacity": ("KV capacity", ("kv_capacity_tokens",)),
     "prefill": ("prefill rate", ("prefill_tok_per_ms", "frontend_us_per_prompt_token")),
@@ -170,12 +171,10 @@ def explain(c: dict) -> tuple[str, dict] | None:
     lowest = min((p["load"] for p in low), default=None)
     low = [p for p in low if p["load"] == lowest and p["n"] >= MIN_ROWS]
     # measured below predicted, relative to the prediction (a measured 0 is a gap too)
-    hit = max((1 - p["meas_hit_ratio"] / p["pred_hit_ratio"]) for p in c["points"]
-              if p["pred_hit_ratio"] and p["meas_hit_ratio"] is not None) \
-        if any(p["pred_hit_ratio"] and p["meas_hit_ratio"] is not None
-               for p in c["points"]) else None
+    hit = max((1 - p["meas_hit_ratio"] / p["pred_hit_ratio"] for p in c["points"]
+               if p["pred_hit_ratio"] and p["meas_hit_ratio"] is not None), default=None)
     if hit is not None and hit > GAP:
-        return "kv_capacity", {"hit_ratio": -hit}
+        return "kv_capacity", {"hit_ratio": hit}
     ttft = _worst([p["err_ttft_p50"] for p in low])
     tpot = _worst([p["err_tpot_p50"] for p in low])
     if _big(ttft) and not _big(tpot):
@@ -211,8 +210,11 @@ def twin_gap(d: ReportData) -> list[Finding]:
               ("measured capacity at SLO (req/s)",
                "n/a" if c["meas_capacity"] is None else f"{c['meas_capacity']:.3g}"),
               ("capacity error", _pct(c["err_capacity"]))]
-        ev += [(f"{k.replace('_', ' ')} error at the lowest load", _pct(v))
-               for k, v in gaps.items() if k != "capacity"]
+        ev += [(f"{NAMES[k]} error at the lowest predicted load", _pct(v))
+               for k, v in gaps.items() if k in ("ttft_p50", "tpot_p50")]
+        if "hit_ratio" in gaps:
+            ev.append(("prefix hit ratio: measured below predicted by",
+                       f"{100 * gaps['hit_ratio']:.0f}% of the predicted"))
         out.append(Finding(
             rule="twin_gap", endpoint=c["endpoint"],
             title=f"{c['endpoint']}: the twin's prediction misses on {name} ({c['workload']})",
