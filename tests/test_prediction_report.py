@@ -80,10 +80,12 @@ def measured_capacity(run: Path) -> float:
     return c.estimate_rps
 
 
-def save(run: Path, capacity: float, points: list[tuple[float, float, dict]]) -> None:
+def save(run: Path, capacity: float, points: list[tuple[float, float, dict]],
+         slo: dict | None = None) -> None:
     """A prediction as ``kvbench predict --save`` writes it: ``points`` (load, rate, chat's
     figures in ms)."""
     pred = {"prediction": True, "config": "twin.toml", "workload": WL, "seeds": [1],
+            **({"slo": slo} if slo is not None else {}),
             "seconds": 120.0, "warmup_s": 20.0, "twin": {"path": "twin.toml",
                                                          "source_run": "cal-1"},
             "endpoints": [{
@@ -162,6 +164,24 @@ def test_the_finding_names_the_parameter_that_explains_the_gap(tmp_path, factors
     md = render([run], "md", history=0)
     assert "twin\\_gap" in md or "(twin_gap)" in md
     assert T.PARAMETERS[parameter][0] in md.split("### Diagnosis", 1)[1]
+
+
+def test_a_prediction_under_other_slos_says_so_and_blames_no_scheduler(tmp_path):
+    run = search_run(tmp_path / "twin-run")
+    judged = {c: s.limits() for c, s in load([run]).slo.items() if s.judged}
+    assert judged  # the synthetic run's SLOs
+    pts = [(0.5, 1.0, measured(run, 0)), (1.0, 3.0, measured(run, 2))]
+    save(run, 1.5 * measured_capacity(run), pts, slo=judged)
+    (p,) = build_context(load([run]), figures=False)["prediction"]
+    assert p["slo_differs"] == ""
+    assert [x.numbers["parameter"] for x in diagnose(load([run]))
+            if x.rule == "twin_gap"] == ["scheduler"]
+    other = {c: {**x, "ttft_ms": 2 * x.get("ttft_ms", 1000.0)} for c, x in judged.items()}
+    save(run, 1.5 * measured_capacity(run), pts, slo=other)
+    (p,) = build_context(load([run]), figures=False)["prediction"]
+    assert p["slo_differs"] == ", ".join(sorted(judged))
+    assert "Not the same question" in render([run], "md", history=0)
+    assert not [x for x in diagnose(load([run])) if x.rule == "twin_gap"]
 
 
 def test_a_measured_hit_ratio_below_the_predicted_names_kv_capacity(tmp_path):

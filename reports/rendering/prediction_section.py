@@ -57,5 +57,6 @@ def build_prediction(d: ReportData, capacity: dict | None = None) -> list[dict]:
             "err_capacity": _pct(c["err_capacity"]),
             "err_capacity_value": c["err_capacity"],
             "pred_per_gpu": fmt(c["pred_per_gpu"]), "meas_per_gpu": fmt(c["meas_per_gpu"]),
-            "rows": rows, "fitted": fitted, "assumed": assumed or "none"})
+            "rows": rows, "fitted": fitted, "assumed": assumed or "none",
+            "slo_differs": ", ".join(c["slo_differs"])})
     return out

@@ -17,9 +17,10 @@ predicted capacity) beside the same class in the measured stage of the nearest r
    within it: prefill rate (``prefill_tok_per_ms``, ``frontend_us_per_prompt_token``);
 3. TPOT p50 at the lowest load off by more than ``GAP``: decode (``hbm_gb_s``,
    ``kv_bytes_per_token``);
-4. capacity at SLO off by more than ``GAP`` while both low-load medians are within it:
-   scheduler limits (``max_num_seqs``, ``step_token_budget``): the same per-request speed,
-   a different point where requests start to queue.
+4. capacity at SLO off by more than ``GAP`` while both low-load medians are within it (and
+   the prediction judged the report's SLOs): scheduler limits (``max_num_seqs``,
+   ``step_token_budget``): the same per-request speed, a different point where requests
+   start to queue.
 
 Medians at the lowest load, not p99s: with few requests per class a p99 is a handful of
 requests, and at low load the median is one request's own prefill and decode.
@@ -136,6 +137,7 @@ def _one(d: ReportData, pred: dict, e: dict, label: str, wl: str, caps) -> dict:
             pt["meas_hit_ratio"] = meas.get("hit_ratio")
             points.append(pt)
     return {"endpoint": label, "twin_endpoint": e.get("endpoint"), "workload": wl,
+            "slo_differs": slo_differs(pred.get("slo"), d.slo),
             "topology": e.get("topology"), "what_if": bool(e.get("what_if")),
             "twin": pred.get("twin") or {"config": pred.get("config")},
             "seeds": pred.get("seeds"), "seconds": pred.get("seconds"),
@@ -144,6 +146,17 @@ def _one(d: ReportData, pred: dict, e: dict, label: str, wl: str, caps) -> dict:
             "meas_per_gpu": mc / gpus if mc is not None and gpus else None,
             "meas_status": None if cap is None else cap.status,
             "points": points, "fitted": e.get("fitted", []), "assumed": e.get("assumed", [])}
+
+
+def slo_differs(predicted: dict | None, judged: dict) -> list[str]:
+    """Classes whose SLO the prediction judged otherwise than the report does (its capacity
+    then answers another question); empty where the prediction did not say."""
+    if not isinstance(predicted, dict):
+        return []
+    mine = {c: s.limits() for c, s in judged.items() if s.judged}
+    theirs = {str(c): {k: float(v) for k, v in (x or {}).items()}
+              for c, x in predicted.items() if isinstance(x, dict) and x}
+    return sorted(c for c in set(mine) | set(theirs) if mine.get(c) != theirs.get(c))
 
 
 def _measured(rows) -> dict:
@@ -181,7 +194,8 @@ def explain(c: dict) -> tuple[str, dict] | None:
         return "prefill", {"ttft_p50": ttft, "tpot_p50": tpot}
     if _big(tpot):
         return "decode", {"ttft_p50": ttft, "tpot_p50": tpot}
-    if _big(c["err_capacity"]) and _small(ttft) and (_small(tpot) or tpot is None):
+    if _big(c["err_capacity"]) and _small(ttft) and (_small(tpot) or tpot is None) \
+            and not c["slo_differs"]:
         return "scheduler", {"capacity": c["err_capacity"], "ttft_p50": ttft, "tpot_p50": tpot}
     return None
 
