@@ -35,11 +35,11 @@ EP, WL = "tiny", "chat"
 PROBES = [(1.0, "pass", 1.0), (2.0, "pass", 1.0), (3.0, "pass", 1.5), (4.0, "fail", 20.0)]
 
 
-def search_run(run_dir: Path) -> Path:
+def search_run(run_dir: Path, probes=PROBES) -> Path:
     """One endpoint's capacity search on the chat workload: each probe's requests at its own
     latency scale, with the search notes run.json carries."""
     tables, stages = [], []
-    for index, (rate, verdict, slow) in enumerate(PROBES):
+    for index, (rate, verdict, slow) in enumerate(probes):
         shape = RunShape(endpoints=[EndpointShape(EP, "colocated", slowdown=slow)],
                          stage_rates_rps=(rate,), requests_per_stage=300, workload=WL,
                          classes=("chat",), seed=11 + index)
@@ -182,6 +182,18 @@ def test_a_prediction_under_other_slos_says_so_and_blames_no_scheduler(tmp_path)
     assert p["slo_differs"] == ", ".join(sorted(judged))
     assert "Not the same question" in render([run], "md", history=0)
     assert not [x for x in diagnose(load([run])) if x.rule == "twin_gap"]
+
+
+@pytest.mark.parametrize("factor,finding", [(0.5, True), (1.5, False)])
+def test_a_search_that_found_no_failure_is_a_lower_bound(tmp_path, factor, finding):
+    run = search_run(tmp_path / "twin-run", PROBES[:3])  # every probe passed
+    cap = measured_capacity(run)
+    save(run, factor * cap, [(0.5, 1.0, measured(run, 0)), (1.0, 3.0, measured(run, 2))])
+    (p,) = build_context(load([run]), figures=False)["prediction"]
+    assert "a lower bound" in p["meas_capacity"] and p["err_capacity"].startswith("≤ ")
+    found = [x for x in diagnose(load([run])) if x.rule == "twin_gap"]
+    # below the bound by half: a gap however high the capacity is; above it: none shown
+    assert [x.numbers["parameter"] for x in found] == (["scheduler"] if finding else [])
 
 
 def test_a_measured_hit_ratio_below_the_predicted_names_kv_capacity(tmp_path):

@@ -12,6 +12,12 @@ from kvbench.reports.measures.data import ReportData
 from kvbench.reports.rendering.cells import fmt
 
 
+# options that shape no figure of a prediction (names, seeds, fault injection, wall-time
+# scale): left out of the assumed list
+OPERATIONAL = frozenset({"model_name", "hostname", "seed", "faults", "pin_header",
+                         "time_scale", "region_names"})
+
+
 def _pct(x) -> str:
     return "–" if x is None else f"{100 * x:+.1f}%"
 
@@ -41,7 +47,8 @@ def build_prediction(d: ReportData, capacity: dict | None = None) -> list[dict]:
             for f in c["fitted"]) or "none"
         assumed = ", ".join(f"{a['option']}={_value(a['value'])} ({a['source']}"
                             + ("; not observable in the measured topology"
-                               if a.get("unobserved") else "") + ")" for a in c["assumed"])
+                               if a.get("unobserved") else "") + ")" for a in c["assumed"]
+                            if a["option"] not in OPERATIONAL)
         out.append({
             "endpoint": c["endpoint"], "workload": c["workload"],
             "twin_endpoint": c["twin_endpoint"],
@@ -51,10 +58,10 @@ def build_prediction(d: ReportData, capacity: dict | None = None) -> list[dict]:
             "seeds": ", ".join(str(s) for s in c["seeds"] or []) or "–",
             "seconds": fmt(c["seconds"]),
             "pred_capacity": fmt(c["pred_capacity"]),
-            "meas_capacity": fmt(c["meas_capacity"]) + (
-                f" ({c['meas_status']})" if c["meas_status"] not in (None, "bracketed")
-                else "") if c["meas_capacity"] is not None else "no capacity search",
-            "err_capacity": _pct(c["err_capacity"]),
+            "meas_capacity": "no capacity search" if c["meas_capacity"] is None else (
+                f"≥ {fmt(c['meas_capacity'])} (nothing failed: a lower bound)"
+                if c["meas_bound"] else fmt(c["meas_capacity"])),
+            "err_capacity": ("≤ " if c["meas_bound"] else "") + _pct(c["err_capacity"]),
             "err_capacity_value": c["err_capacity"],
             "pred_per_gpu": fmt(c["pred_per_gpu"]), "meas_per_gpu": fmt(c["meas_per_gpu"]),
             "rows": rows, "fitted": fitted, "assumed": assumed or "none",

@@ -20,7 +20,8 @@ predicted capacity) beside the same class in the measured stage of the nearest r
 4. capacity at SLO off by more than ``GAP`` while both low-load medians are within it (and
    the prediction judged the report's SLOs): scheduler limits (``max_num_seqs``,
    ``step_token_budget``): the same per-request speed, a different point where requests
-   start to queue.
+   start to queue. Where the search found no failure its capacity is a lower bound: only a
+   prediction below it by more than ``GAP`` is a gap.
 
 Medians at the lowest load, not p99s: with few requests per class a p99 is a handful of
 requests, and at low load the median is one request's own prefill and decode.
@@ -145,6 +146,8 @@ def _one(d: ReportData, pred: dict, e: dict, label: str, wl: str, caps) -> dict:
             "pred_per_gpu": (e.get("capacity") or {}).get("median_per_gpu"),
             "meas_per_gpu": mc / gpus if mc is not None and gpus else None,
             "meas_status": None if cap is None else cap.status,
+            # nothing failed: the search's capacity is a lower bound, the error an upper one
+            "meas_bound": cap is not None and cap.fail_rps is None and mc is not None,
             "points": points, "fitted": e.get("fitted", []), "assumed": e.get("assumed", [])}
 
 
@@ -194,9 +197,12 @@ def explain(c: dict) -> tuple[str, dict] | None:
         return "prefill", {"ttft_p50": ttft, "tpot_p50": tpot}
     if _big(tpot):
         return "decode", {"ttft_p50": ttft, "tpot_p50": tpot}
-    if _big(c["err_capacity"]) and _small(ttft) and (_small(tpot) or tpot is None) \
+    cap = c["err_capacity"]
+    if c["meas_bound"] and cap is not None and cap > 0:
+        cap = None  # above a lower bound: no gap shown
+    if _big(cap) and _small(ttft) and (_small(tpot) or tpot is None) \
             and not c["slo_differs"]:
-        return "scheduler", {"capacity": c["err_capacity"], "ttft_p50": ttft, "tpot_p50": tpot}
+        return "scheduler", {"capacity": cap, "ttft_p50": ttft, "tpot_p50": tpot}
     return None
 
 
@@ -222,8 +228,10 @@ def twin_gap(d: ReportData) -> list[Finding]:
         ev = [("predicted capacity at SLO (req/s)",
                "n/a" if c["pred_capacity"] is None else f"{c['pred_capacity']:.3g}"),
               ("measured capacity at SLO (req/s)",
-               "n/a" if c["meas_capacity"] is None else f"{c['meas_capacity']:.3g}"),
-              ("capacity error", _pct(c["err_capacity"]))]
+               "n/a" if c["meas_capacity"] is None else ("at least " if c["meas_bound"]
+                                                          else "") + f"{c['meas_capacity']:.3g}"),
+              ("capacity error", ("at most " if c["meas_bound"] else "")
+               + _pct(c["err_capacity"]))]
         ev += [(f"{NAMES[k]} error at the lowest predicted load", _pct(v))
                for k, v in gaps.items() if k in ("ttft_p50", "tpot_p50")]
         if "hit_ratio" in gaps:
