@@ -196,6 +196,19 @@ def test_a_search_that_found_no_failure_is_a_lower_bound(tmp_path, factor, findi
     assert [x.numbers["parameter"] for x in found] == (["scheduler"] if finding else [])
 
 
+@pytest.mark.parametrize("factor,finding", [(1.5, True), (0.5, False)])
+def test_a_search_that_passed_nothing_bounds_the_capacity_from_above(tmp_path, factor,
+                                                                     finding):
+    run = search_run(tmp_path / "twin-run", [(1.0, "fail", 20.0), (2.0, "fail", 20.0)])
+    # predicted latencies as measured: the capacity alone differs
+    save(run, factor * 1.0, [(0.5, 1.0, measured(run, 0)), (1.0, 2.0, measured(run, 1))])
+    (p,) = build_context(load([run]), figures=False)["prediction"]
+    assert p["meas_capacity"] == "< 1.00 (the search passed no rate)"
+    assert p["err_capacity"] == f"≥ {100 * (factor - 1):+.1f}%"
+    found = [x for x in diagnose(load([run])) if x.rule == "twin_gap"]
+    assert [x.numbers["parameter"] for x in found] == (["scheduler"] if finding else [])
+
+
 def test_a_measured_hit_ratio_below_the_predicted_names_kv_capacity(tmp_path):
     run = search_run(tmp_path / "twin-run")
     low = {**measured(run, 0), "hit_ratio": 0.99}  # synthetic runs hit about half

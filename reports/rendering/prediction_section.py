@@ -58,12 +58,15 @@ def build_prediction(d: ReportData, capacity: dict | None = None) -> list[dict]:
             "seeds": ", ".join(str(s) for s in c["seeds"] or []) or "–",
             "seconds": fmt(c["seconds"]),
             "pred_capacity": fmt(c["pred_capacity"]),
-            "meas_capacity": "no capacity search" if c["meas_capacity"] is None else (
-                f"≥ {fmt(c['meas_capacity'])} (nothing failed: a lower bound)"
-                if c["meas_bound"] else fmt(c["meas_capacity"])),
-            "err_capacity": ("≤ " if c["meas_bound"] else "") + _pct(c["err_capacity"]),
+            "meas_capacity": "no capacity search" if c["meas_capacity"] is None else {
+                "lower": f"≥ {fmt(c['meas_capacity'])} (nothing failed: a lower bound)",
+                "upper": f"< {fmt(c['meas_capacity'])} (the search passed no rate)"}.get(
+                    c["meas_bound"], fmt(c["meas_capacity"])),
+            "err_capacity": {"lower": "≤ ", "upper": "≥ "}.get(c["meas_bound"], "")
+            + _pct(c["err_capacity"]),
             "err_capacity_value": c["err_capacity"],
-            "pred_per_gpu": fmt(c["pred_per_gpu"]), "meas_per_gpu": fmt(c["meas_per_gpu"]),
+            "pred_per_gpu": fmt(c["pred_per_gpu"]), "meas_per_gpu": {"lower": "≥ ", "upper": "< "}.get(c["meas_bound"], "")
+            + fmt(c["meas_per_gpu"]),
             "rows": rows, "fitted": fitted, "assumed": assumed or "none",
             "slo_differs": ", ".join(c["slo_differs"])})
     return out

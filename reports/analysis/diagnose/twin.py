@@ -21,7 +21,8 @@ predicted capacity) beside the same class in the measured stage of the nearest r
    the prediction judged the report's SLOs): scheduler limits (``max_num_seqs``,
    ``step_token_budget``): the same per-request speed, a different point where requests
    start to queue. Where the search found no failure its capacity is a lower bound: only a
-   prediction below it by more than ``GAP`` is a gap.
+   prediction below it by more than ``GAP`` is a gap; where it passed no rate, the capacity
+   lies below its lowest failure: only a prediction above that by more than ``GAP`` is.
 
 Medians at the lowest load, not p99s: with few requests per class a p99 is a handful of
 requests, and at low load the median is one request's own prefill and decode.
@@ -111,6 +112,13 @@ def _one(d: ReportData, pred: dict, e: dict, label: str, wl: str, caps) -> dict:
                 and c.unit == "req/s"), None)
     pc = (e.get("capacity") or {}).get("median")
     mc = cap.estimate_rps if cap is not None else None
+    # nothing failed: the capacity is a lower bound (the error an upper one); nothing
+    # passed: below the lowest failure (an upper bound, the error a lower one)
+    bound = None
+    if cap is not None and mc is not None and cap.fail_rps is None:
+        bound = "lower"
+    elif cap is not None and mc is None and cap.fail_rps is not None:
+        bound, mc = "upper", cap.fail_rps
     gpus = d.endpoint(label).gpus
     rows = d.frame[(d.frame["endpoint"].astype(str) == label)
                    & (d.frame["workload"].astype(str) == wl)]
@@ -146,8 +154,7 @@ def _one(d: ReportData, pred: dict, e: dict, label: str, wl: str, caps) -> dict:
             "pred_per_gpu": (e.get("capacity") or {}).get("median_per_gpu"),
             "meas_per_gpu": mc / gpus if mc is not None and gpus else None,
             "meas_status": None if cap is None else cap.status,
-            # nothing failed: the search's capacity is a lower bound, the error an upper one
-            "meas_bound": cap is not None and cap.fail_rps is None and mc is not None,
+            "meas_bound": bound,
             "points": points, "fitted": e.get("fitted", []), "assumed": e.get("assumed", [])}
 
 
@@ -198,8 +205,9 @@ def explain(c: dict) -> tuple[str, dict] | None:
     if _big(tpot):
         return "decode", {"ttft_p50": ttft, "tpot_p50": tpot}
     cap = c["err_capacity"]
-    if c["meas_bound"] and cap is not None and cap > 0:
-        cap = None  # above a lower bound: no gap shown
+    if cap is not None and (c["meas_bound"] == "lower" and cap > 0
+                            or c["meas_bound"] == "upper" and cap < 0):
+        cap = None  # on the open side of a bound: no gap shown
     if _big(cap) and _small(ttft) and (_small(tpot) or tpot is None) \
             and not c["slo_differs"]:
         return "scheduler", {"capacity": cap, "ttft_p50": ttft, "tpot_p50": tpot}
@@ -228,9 +236,11 @@ def twin_gap(d: ReportData) -> list[Finding]:
         ev = [("predicted capacity at SLO (req/s)",
                "n/a" if c["pred_capacity"] is None else f"{c['pred_capacity']:.3g}"),
               ("measured capacity at SLO (req/s)",
-               "n/a" if c["meas_capacity"] is None else ("at least " if c["meas_bound"]
-                                                          else "") + f"{c['meas_capacity']:.3g}"),
-              ("capacity error", ("at most " if c["meas_bound"] else "")
+               "n/a" if c["meas_capacity"] is None else ({"lower": "at least ",
+                                                           "upper": "below "}.get(
+                                                              c["meas_bound"], "")) + f"{c['meas_capacity']:.3g}"),
+              ("capacity error", {"lower": "at most ", "upper": "at least "}.get(
+                  c["meas_bound"], "")
                + _pct(c["err_capacity"]))]
         ev += [(f"{NAMES[k]} error at the lowest predicted load", _pct(v))
                for k, v in gaps.items() if k in ("ttft_p50", "tpot_p50")]
