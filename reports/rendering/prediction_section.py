@@ -65,7 +65,8 @@ def build_prediction(d: ReportData, capacity: dict | None = None) -> list[dict]:
             "err_capacity": {"lower": "≤ ", "upper": "≥ "}.get(c["meas_bound"], "")
             + _pct(c["err_capacity"]),
             "err_capacity_value": c["err_capacity"],
-            "pred_per_gpu": fmt(c["pred_per_gpu"]), "meas_per_gpu": {"lower": "≥ ", "upper": "< "}.get(c["meas_bound"], "")
+            "pred_per_gpu": fmt(c["pred_per_gpu"]),
+            "meas_per_gpu": {"lower": "≥ ", "upper": "< "}.get(c["meas_bound"], "")
             + fmt(c["meas_per_gpu"]),
             "rows": rows, "fitted": fitted, "assumed": assumed or "none",
             "slo_differs": ", ".join(c["slo_differs"])})

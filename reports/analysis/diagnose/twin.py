@@ -233,15 +233,13 @@ def twin_gap(d: ReportData) -> list[Finding]:
             continue
         key, gaps = why
         name, options = PARAMETERS[key]
+        meas_word = {"lower": "at least ", "upper": "below "}.get(c["meas_bound"], "")
+        err_word = {"lower": "at most ", "upper": "at least "}.get(c["meas_bound"], "")
         ev = [("predicted capacity at SLO (req/s)",
                "n/a" if c["pred_capacity"] is None else f"{c['pred_capacity']:.3g}"),
               ("measured capacity at SLO (req/s)",
-               "n/a" if c["meas_capacity"] is None else ({"lower": "at least ",
-                                                           "upper": "below "}.get(
-                                                              c["meas_bound"], "")) + f"{c['meas_capacity']:.3g}"),
-              ("capacity error", {"lower": "at most ", "upper": "at least "}.get(
-                  c["meas_bound"], "")
-               + _pct(c["err_capacity"]))]
+               "n/a" if c["meas_capacity"] is None else f"{meas_word}{c['meas_capacity']:.3g}"),
+              ("capacity error", err_word + _pct(c["err_capacity"]))]
         ev += [(f"{NAMES[k]} error at the lowest predicted load", _pct(v))
                for k, v in gaps.items() if k in ("ttft_p50", "tpot_p50")]
         if "hit_ratio" in gaps:
