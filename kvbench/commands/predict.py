@@ -126,21 +126,10 @@ def run(args) -> int:
     if args.format == "json":
         import json
 
-        print(json.dumps(_finite(res), indent=1, default=str, allow_nan=False))
+        print(json.dumps(pr.finite(res), indent=1, default=str, allow_nan=False))
     else:
         print(render(res, markdown=args.format == "md"))
     return 0
-
-
-def _finite(x):
-    """``x`` with every NaN as None (JSON has no NaN)."""
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and x != x:
-        return None
-    return x
 
 
 def _num(x, fmt: str = ".3g") -> str:

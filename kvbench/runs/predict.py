@@ -341,18 +341,18 @@ def save(res: dict, cfg, run_dir, measured: dict[str, str]) -> Path:
     kept = [p for p in read_predictions(run_dir) if key(p) != key(res)]
     path = run_dir / PREDICTION_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_finite({"kind": KIND, "predictions": [*kept, res]}), indent=1,
+    tmp.write_text(json.dumps(finite({"kind": KIND, "predictions": [*kept, res]}), indent=1,
                               default=str, allow_nan=False), "utf-8")
     os.replace(tmp, path)
     return path
 
 
-def _finite(x):
+def finite(x):
     """``x`` with every NaN as None (JSON has no NaN)."""
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: finite(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite(v) for v in x]
     if isinstance(x, float) and x != x:
         return None
     return x
