@@ -1,5 +1,7 @@
 """``kvbench predict``: capacity at SLO and latency against offered rate of each built-in
-endpoint (a calibrated twin) in virtual time, no load sent (``kvbench.runs.predict``)."""
+endpoint (a calibrated twin) in virtual time, no load sent (``kvbench.runs.predict``);
+``--save RUN_DIR`` also writes it into a run folder, where ``kvbench report`` sets it beside
+that run's measurement."""
 
 from __future__ import annotations
 

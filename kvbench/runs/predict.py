@@ -11,6 +11,10 @@ GPUs (disaggregated: split into prefill and decode GPUs; offloaded: the same rep
 DRAM/disk tier; routed: the replicas behind a router). Parameters the measured topology cannot
 show (the P/D link, the tiers, the router) come from ``options`` or the emulator's defaults;
 every option not fitted is listed as assumed, with its value and where it came from.
+
+``save`` writes a prediction into a run folder (``prediction.json``): the file lives with the
+run, so the report shows prediction beside measurement wherever both exist, with nothing to
+pass it (``reports.analysis.diagnose.twin`` reads it).
 """
 
 from __future__ import annotations
