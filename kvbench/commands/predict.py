@@ -1,5 +1,7 @@
 """``kvbench predict``: capacity at SLO and latency against offered rate of each built-in
-endpoint (a calibrated twin) in virtual time, no load sent (``kvbench.runs.predict``)."""
+endpoint (a calibrated twin) in virtual time, no load sent (``kvbench.runs.predict``);
+``--save RUN_DIR`` also writes it into a run folder, where ``kvbench report`` sets it beside
+that run's measurement."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ def add_parser(p) -> None:
                    help="the suite whose workloads and SLOs to predict under, filling in what "
                         "--config lacks (its [slo] tables win)")
     p.add_argument("--format", choices=("text", "json", "md"), default="text")
+    p.add_argument("--save", default=None, metavar="RUN_DIR",
+                   help="also write the prediction into this run folder (prediction.json), "
+                        "where kvbench report sets it beside the run's measurement; without "
+                        "--workload, the run's workload where it measured one")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, default=1, help="seeds seed..seed+N-1 (median)")
     p.add_argument("--seconds", type=float, default=120.0,
@@ -99,33 +105,33 @@ def run(args) -> int:
                             "holds its endpoint only); pass --slo-config bench.toml, the "
                             "suite whose workloads and SLOs to use") from None
         raise
-    settings = pr.Settings(workload=args.workload, topology=args.topology,
+    workload = args.workload
+    if args.save is not None:
+        _, wls = pr.run_workloads(args.save)
+        if workload is None and len(wls) == 1 and wls[0] in cfg.workloads:
+            workload = wls[0]
+    settings = pr.Settings(workload=workload, topology=args.topology,
                            options=options(args.options), endpoint=args.endpoint,
                            seed=args.seed, seeds=args.seeds, seconds=args.seconds,
                            warmup_s=args.warmup_s, target=args.target,
                            precision=args.precision, guess=args.guess,
                            loads=_fractions(args.loads), warm=False if args.cold else None)
+    measured = pr.measured_as(cfg, [ep.name for ep in pr.endpoints(cfg, path, settings)],
+                              args.save) if args.save is not None else None
     say = (lambda line: print(f"  {line}", file=sys.stderr, flush=True)) \
         if args.format == "text" and sys.stderr.isatty() else (lambda line: None)
     res = pr.predict(cfg, path, settings, say)
+    if args.save is not None:
+        saved = pr.save(res, cfg, args.save, measured)
+        print(f"kvbench predict: saved to {saved} (kvbench report {args.save} sets it beside "
+              "the measurement)", file=sys.stderr)
     if args.format == "json":
         import json
 
-        print(json.dumps(_finite(res), indent=1, default=str, allow_nan=False))
+        print(json.dumps(pr.finite(res), indent=1, default=str, allow_nan=False))
     else:
         print(render(res, markdown=args.format == "md"))
     return 0
-
-
-def _finite(x):
-    """``x`` with every NaN as None (JSON has no NaN)."""
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, float) and x != x:
-        return None
-    return x
 
 
 def _num(x, fmt: str = ".3g") -> str:

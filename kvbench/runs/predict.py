@@ -11,12 +11,19 @@ GPUs (disaggregated: split into prefill and decode GPUs; offloaded: the same rep
 DRAM/disk tier; routed: the replicas behind a router). Parameters the measured topology cannot
 show (the P/D link, the tiers, the router) come from ``options`` or the emulator's defaults;
 every option not fitted is listed as assumed, with its value and where it came from.
+
+``save`` writes a prediction into a run folder (``prediction.json``): the file lives with the
+run, so the report shows prediction beside measurement wherever both exist, with nothing to
+pass it (``reports.analysis.diagnose.twin`` reads it).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -274,3 +281,82 @@ def predict(cfg, path, settings: Settings, say=lambda line: None) -> dict:
             "skipped": [ep.name for ep in cfg.endpoints if ep.kind != "builtin"
                         and settings.endpoint in (None, ep.name)],
             "wall_s": time.monotonic() - t0, "cpu_s": time.process_time() - cpu0}
+
+
+def run_workloads(run_dir) -> tuple[list[str], list[str]]:
+    """(endpoints, workloads) a run folder measured, from its run.json; a user error naming
+    the folder where it holds no run."""
+    from kvbench.core.errors import DataError
+    from kvbench.core.store import read_meta
+
+    try:
+        meta = read_meta(run_dir)
+    except (DataError, OSError) as err:
+        raise UserError(f"--save {run_dir}: not a run folder kvbench can read ({err}); give "
+                        "the results folder of the run to compare with") from None
+    eps = [str(e.name) for e in meta.endpoints if e.name]
+    wls = list(dict.fromkeys(str(s.workload) for s in meta.stages if s.workload))
+    return eps, wls
+
+
+def measured_as(cfg, names: list[str], run_dir) -> dict[str, str]:
+    """Per predicted endpoint of ``names``, the endpoint of the run in ``run_dir`` it
+    predicts: the same name, else the twin's ``source_endpoint``, else the run's only
+    endpoint (one predicted of one measured); a user error naming the endpoint where none is."""
+    eps, _ = run_workloads(run_dir)
+    t = cfg.twin
+    source = dict(t.model_extra or {}).get("source_endpoint") if t is not None else None
+    out = {}
+    for name in names:
+        if name in eps:
+            out[name] = name
+        elif source in eps and _twin_of(cfg, name) is not None:
+            out[name] = source
+        elif len(eps) == 1 and len(names) == 1:
+            out[name] = eps[0]
+        else:
+            raise UserError(f"--save {run_dir}: endpoint {name!r} of the config is not one of "
+                            f"the run's {eps}; pick the twin with --endpoint and set its "
+                            "[twin] source_endpoint to the run's endpoint it models")
+    return out
+
+
+def save(res: dict, cfg, run_dir, measured: dict[str, str]) -> Path:
+    """Write the prediction ``res`` into ``run_dir/prediction.json``, where ``kvbench report``
+    sets it beside the run's measurement (``reports.analysis.diagnose.twin``), each endpoint
+    naming the run's endpoint it predicts (``measured``: ``measured_as``). A prediction of
+    the same workload and endpoints replaces the one saved before; others are kept."""
+    from kvbench.reports.analysis.diagnose.twin import KIND, PREDICTION_FILE, read_predictions
+
+    run_dir = Path(run_dir)
+    t = cfg.twin
+    extra = dict(t.model_extra or {}) if t is not None else {}
+    for e in res["endpoints"]:
+        e["measured_endpoint"] = measured[e["endpoint"]]
+    res = {**res, "twin": {"path": res["config"], "endpoint": None if t is None
+                           else t.endpoint, "fitted": [] if t is None else list(t.fitted),
+                           **{k: extra.get(k) for k in ("source_run", "source_endpoint",
+                                                        "reliable")}}}
+
+    def key(p):
+        return (p.get("workload"), sorted(e.get("measured_endpoint") or ""
+                                          for e in p.get("endpoints", [])))
+
+    kept = [p for p in read_predictions(run_dir) if key(p) != key(res)]
+    path = run_dir / PREDICTION_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(finite({"kind": KIND, "predictions": [*kept, res]}), indent=1,
+                              default=str, allow_nan=False), "utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def finite(x):
+    """``x`` with every NaN as None (JSON has no NaN)."""
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    if isinstance(x, float) and x != x:
+        return None
+    return x

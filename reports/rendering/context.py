@@ -21,6 +21,7 @@ from kvbench.reports.analysis import pareto as P
 from kvbench.reports.rendering import tables
 from kvbench.reports.rendering.capacity_section import build_capacity
 from kvbench.reports.rendering.capacity_section import ranked as _ranked  # noqa: F401
+from kvbench.reports.rendering.prediction_section import build_prediction
 from kvbench.reports.rendering.cells import SLO_METRICS, fmt, metric_row, table_rows
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose import diagnose, order
@@ -162,6 +163,7 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True,
         "capacity": capacity,
         "verdict": capacity["verdict"] if capacity else [],
         "searched": bool(capacity),
+        "prediction": build_prediction(d, capacity),
         "findings": findings,
         "figures": figures,
         "slo": d.slo,

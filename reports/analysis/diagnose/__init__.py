@@ -23,6 +23,7 @@ from kvbench.reports.analysis.diagnose.hogwild import hogwild
 from kvbench.reports.analysis.diagnose.load import lateness_split, loadgen_saturated, overloaded
 from kvbench.reports.analysis.diagnose.search import start_failed
 from kvbench.reports.analysis.diagnose.topology import cross_region, residency, transfer_tax
+from kvbench.reports.analysis.diagnose.twin import twin_gap
 
 RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
     "start_failed": start_failed,
@@ -35,6 +36,7 @@ RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
     "hogwild": hogwild,
     "loadgen_saturated": loadgen_saturated,
     "overloaded": overloaded,
+    "twin_gap": twin_gap,
 }
 
 
@@ -44,7 +46,7 @@ RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
 # topologies, and last the prefix-cache bookkeeping check (``cache_verify``).
 ACTION_ORDER = ("start_failed", "errors", "residency", "loadgen_saturated", "prefix_hits_lost",
                 "overloaded", "hbm_full", "cross_region", "transfer_tax", "hogwild",
-                "cache_verify")
+                "twin_gap", "cache_verify")
 
 
 def order(found: list[Finding]) -> list[Finding]:
