@@ -98,14 +98,15 @@ def searched(cfg: Path, endpoint: str, workload: str, cwd: Path, run_id: str) ->
 
 
 def claimed(probes: list[dict]) -> float | None:
-    """The search's claim from its control file: the highest rate whose last judged probe
-    (a hold judged after its ramp) passed."""
-    last = {}
-    for p in probes:
-        if p.get("verdict") in ("pass", "fail") and p.get("rate_rps") \
-                and "void" not in (p.get("role") or ""):
-            last[p["rate_rps"]] = p["verdict"]
-    return max((r for r, v in last.items() if v == "pass"), default=None)
+    """The search's claim from its control file: the highest rate a 60-s hold passed (a ramp
+    probe's pass is short and not claimed where holds ran), below any rate that failed."""
+    judged = [p for p in probes if p.get("verdict") in ("pass", "fail") and p.get("rate_rps")
+              and "void" not in (p.get("role") or "")]
+    held = [p for p in judged if p.get("role") == "hold"]
+    use = held or judged
+    fails = [p["rate_rps"] for p in use if p["verdict"] == "fail"]
+    return max((p["rate_rps"] for p in use if p["verdict"] == "pass"
+                and p["rate_rps"] < min(fails, default=float("inf"))), default=None)
 
 
 def calibrate(cfg: Path, work: Path, run_id: str) -> Path:
