@@ -1,0 +1,145 @@
+"""Issue 36's replay check on the real agentic-coding traces: 20 conversations (two of them
+with sub-agents spawned together) replayed by a real Locust run against the built-in
+OFFLOADED endpoint, time-scaled on both sides (the replay's think times, the endpoint's model
+clock). The endpoint's prefix cache finds what the trace's hash ids say it can (the
+theoretical hit ratio of exactly the requests sent, ``describe_sent``), every request the
+endpoint logged carries its session's id header, and sibling sub-agent sessions ran at once.
+
+What is asserted is the endpoint's own accounting (cached tokens it reports, the headers its
+middleware logged) and the order of sends, never this host's wall-clock margins. Skipped with
+a reason where the traces are absent (``KVBENCH_TRACES``, else ``../shared/traces``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = "X-Session-ID"
+# the two smallest conversations whose sub-agents run two at a time (one Spawn of two)
+WITH_SUBAGENTS = ("trace_0291.json", "trace_0277.json")
+N_CONVERSATIONS = 20
+
+
+def real_traces() -> Path:
+    env = os.environ.get("KVBENCH_TRACES")
+    d = Path(env) if env else ROOT.parent / "shared" / "traces"
+    d = d / "agentic-coding"
+    if not d.is_dir():
+        pytest.skip(f"real agentic-coding traces not found at {d} (set KVBENCH_TRACES to the "
+                    "folder holding agentic-coding/)")
+    return d
+
+
+def pick(d: Path, into: Path) -> None:
+    """The two sub-agent conversations and the 18 with the fewest input tokens in all (so a
+    busy 2-core host builds and tokenizes them quickly), linked into ``into``."""
+    def size(f: Path) -> int:
+        def walk(reqs):
+            for r in reqs:
+                yield from walk(r["requests"]) if r["type"] == "subagent" else (r["in"],)
+        return sum(walk(json.loads(f.read_text())["requests"]))
+
+    files = sorted(d.glob("*.json"))
+    small = sorted((f for f in files if f.name not in WITH_SUBAGENTS), key=size)
+    chosen = [d / n for n in WITH_SUBAGENTS] + small[:N_CONVERSATIONS - len(WITH_SUBAGENTS)]
+    into.mkdir()
+    for f in chosen:
+        (into / f.name).symlink_to(f)
+
+
+
+def test_offloaded_replay_hits_the_theoretical_ratio_with_session_headers(tmp_path):
+    from kvbench.config import load_config
+    from kvbench.core.store import read_table
+    from kvbench.workloads.describe import describe_sent
+    from kvbench.workloads.registry import build_spec
+    from kvbench.workloads.tokenizer import get_tokenizer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kvbench_cli import tiny_chat_config
+
+    folder = tmp_path / "traces"
+    pick(real_traces(), folder)
+    cfg = tmp_path / "bench.toml"
+    closed = ('[profiles.p]\npacing = "closed"\nreplay = "think"\ntime_scale = 0.001\n'
+              'stages = [{ users = 20, duration_s = 100 }]\n')
+    # answers clipped to 8 tokens: the prompts (and the cache) are what this checks
+    cfg.write_text(tiny_chat_config("tiny", 4, closed, 500.0)
+                   .replace("@RESULTS@", str(tmp_path / "results"))
+                   + f'\n[workloads.ag]\nkind = "trace"\nformat = "agentic"\npath = "{folder}"\n'
+                   'max_output_tokens = 8\n')
+    config = load_config(cfg)
+    wl = build_spec("ag", config.workloads["ag"], get_tokenizer(), config.suite.seed)
+    assert len(wl.conversations) == N_CONVERSATIONS
+    n_total = len(wl)
+    log = tmp_path / "requests.log"
+    # the built-in offloaded endpoint (HBM, then CPU DRAM and disk), its model clock 200x fast
+    srv = subprocess.Popen([sys.executable, str(ROOT / "tests" / "agentic_sessions.py"),
+                            json.dumps({"topology": "offloaded", "time_scale": 0.005}),
+                            str(log)], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        line = srv.stdout.readline()
+        assert "listening on" in line, line + srv.stderr.read()
+        url = line.split("listening on", 1)[1].strip()
+        p = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", "loadgen/job.py", "--headless", "--host",
+             url, "-u", str(N_CONVERSATIONS), "-r", "100", "-t", "100s", "--only-summary",
+             "--kvbench-config", str(cfg), "--kvbench-workload", "ag", "--kvbench-profile",
+             "p", "--kvbench-replay", "think", "--kvbench-time-scale", "0.001",
+             "--kvbench-requests", str(n_total), "--kvbench-results", str(tmp_path / "res"),
+             "--kvbench-run-id", "r"],
+            cwd=ROOT, capture_output=True, text=True, timeout=170)
+        assert p.returncode == 0, p.stderr[-3000:]
+    finally:
+        srv.kill()
+        srv.wait(10)
+        srv.stdout.close()
+        srv.stderr.close()
+    rows = read_table(tmp_path / "res" / "r", "requests").to_pylist()
+    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["t_sent"])
+    assert len(ok) >= 0.9 * n_total, (len(ok), n_total, {r["status"] for r in rows})
+
+    # the hit ratio the endpoint reported (cached over prompt tokens) against the theoretical
+    # one of exactly these requests in their send order, from the trace's hash ids at the
+    # endpoint's 16-token blocks (an unbounded cache: offload keeps every block of these 20)
+    got = sum(r["cached_tokens"] for r in ok) / sum(r["prompt_tokens"] for r in ok)
+    want = describe_sent(wl, [r["request_id"] for r in ok], block_tokens=16)
+    assert want["unmatched"] == 0 and want["requests"] == len(ok)
+    assert want["total_prompt_tokens"] == sum(r["prompt_tokens"] for r in ok)
+    theo = want["theoretical_hit_ratio_unbounded"]
+    assert theo > 0.8  # the trace re-sends its context: ~97% of it cached in theory
+    assert abs(got - theo) <= 0.05, (got, theo)
+
+    # every request the endpoint received carried its session's id as the header
+    sent = [json.loads(x) for x in log.read_text().splitlines()]
+    by_id = {r["request_id"]: r for r in rows}
+    assert len(sent) >= len(ok)
+    assert all(sid is not None and sid == by_id[rid]["session_id"] for rid, sid, _ in sent
+               if rid in by_id)
+    assert {rid for rid, _, _ in sent} >= {r["request_id"] for r in ok}
+
+    # sibling sub-agents ran at once: within each Spawn of two that was replayed, each
+    # sibling's first request went before the other's session had sent its last one (sent
+    # one after the other, the second would start only after the first's last answer)
+    subs: dict = {}
+    for r in ok:
+        if r["parent_session_id"]:
+            subs.setdefault(r["session_id"], []).append(r)
+    # (the sub-agent index counts a conversation's sub-agents in order: trace_0277 runs one,
+    # then two together, then one)
+    pairs = [(a, b) for a, b in (("ag-trace_0291-s0", "ag-trace_0291-s1"),
+                                 ("ag-trace_0277-s1", "ag-trace_0277-s2"))
+             if a in subs and b in subs]
+    assert pairs, sorted(subs)
+    for a, b in pairs:
+        ra, rb = subs[a], subs[b]
+        assert len(ra) >= 2 and len(rb) >= 2
+        assert max(ra[0]["t_sent"], rb[0]["t_sent"]) < min(ra[-1]["t_sent"], rb[-1]["t_sent"])
+        assert ra[0]["parent_session_id"] == rb[0]["parent_session_id"]
