@@ -143,3 +143,48 @@ def test_offloaded_replay_hits_the_theoretical_ratio_with_session_headers(tmp_pa
         assert len(ra) >= 2 and len(rb) >= 2
         assert max(ra[0]["t_sent"], rb[0]["t_sent"]) < min(ra[-1]["t_sent"], rb[-1]["t_sent"])
         assert ra[0]["parent_session_id"] == rb[0]["parent_session_id"]
+
+
+def test_sim_pins_sessions_on_the_routed_endpoint(tmp_path):
+    """bench/bakeoff_sim.py's agentic replay names each request's session to the router: with
+    ``pin_header`` a round-robin router keeps a session on one replica, which then finds its
+    whole history cached (the engines' own counts); without it every next request lands on
+    another replica, which has at most the blocks it computed itself. Needs no real trace."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bakeoff_sim
+    from kvbench_cli import tiny_chat_config
+
+    d = tmp_path / "traces"
+    d.mkdir()
+    for c in range(3):
+        reqs = [{"t": 10.0 * k, "type": "s", "in": 64 * (2 * k + 2) + 10, "out": 4,
+                 "hash_ids": list(range(1, 2 * k + 3)), "think_time": 0.5} for k in range(8)]
+        (d / f"c{c}.json").write_text(json.dumps({
+            "id": f"c{c}", "block_size": 64, "tool_tokens": 0, "system_tokens": 0,
+            "requests": reqs}))
+    cfg = tmp_path / "bench.toml"
+    prof = '[profiles.p]\npacing = "closed"\nstages = [{ users = 1, duration_s = 1 }]\n'
+    cfg.write_text(tiny_chat_config("tiny", 4, prof, 500.0)
+                   .replace("@RESULTS@", str(tmp_path / "results"))
+                   + f'\n[workloads.ag]\nkind = "trace"\nformat = "agentic"\npath = "{d}"\n'
+                   'shared_prefix = "per_conversation"\n')
+    convs, _ = bakeoff_sim.prompts(cfg, "ag")
+    assert all(len(c) == 8 and c[0][8] == f"c{k}" for k, c in enumerate(
+        sorted(convs, key=lambda c: c[0][8])))
+    rr = {"regions": 1, "replicas_per_region": 4, "router": "ROUND_ROBIN"}
+
+    def hit(options):
+        # one user: the three conversations one after another (0.5 s think times), the
+        # first pass over them judged
+        rows = bakeoff_sim.run_sessions("routed", options, convs, 1, 20.0, 1)[:24]
+        assert len(rows) == 24 and all(r["ok"] for r in rows)
+        return rows, sum(r["cached"] for r in rows) / sum(r["n_prompt"] for r in rows)
+
+    pinned_rows, pinned = hit({**rr, "pin_header": "X-Session-ID"})
+    _, spread = hit(rr)
+    # pinned: every request but a conversation's first finds all its earlier blocks
+    for k, r in enumerate(pinned_rows):
+        want = 0 if k % 8 == 0 else 64 * (2 * (k % 8))
+        assert r["cached"] == want, (k, r["cached"], want)
+    assert spread < pinned - 0.2, (spread, pinned)
