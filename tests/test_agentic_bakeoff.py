@@ -188,3 +188,38 @@ def test_sim_pins_sessions_on_the_routed_endpoint(tmp_path):
         want = 0 if k % 8 == 0 else 64 * (2 * (k % 8))
         assert r["cached"] == want, (k, r["cached"], want)
     assert spread < pinned - 0.2, (spread, pinned)
+
+
+def test_max_context_tokens_leaves_out_whole_conversations(tmp_path):
+    """The bake-off's bound: a conversation with any request (a sub-agent's too) over
+    ``max_context_tokens`` (input plus output as sent) is left out whole, and said so; the
+    bound is for agentic traces only."""
+    from kvbench.workloads.registry import build_spec
+    from kvbench.workloads.tokenizer import get_tokenizer
+    from kvbench.workloads.traces import TraceSpec
+
+    def conv(cid, n_in, n_sub):
+        return {"id": cid, "block_size": 64, "tool_tokens": 0, "system_tokens": 0,
+                "requests": [
+                    {"t": 0, "type": "s", "in": n_in, "out": 40,
+                     "hash_ids": list(range(1, n_in // 64 + 1))},
+                    {"t": 1, "type": "subagent", "tool_tokens": 0, "system_tokens": 0,
+                     "requests": [{"t": 0, "type": "s", "in": n_sub, "out": 40,
+                                   "hash_ids": list(range(10, 10 + n_sub // 64))}]}]}
+
+    for cid, n_in, n_sub in (("a", 100, 50), ("b", 161, 50), ("c", 100, 161), ("d", 160, 120)):
+        (tmp_path / f"{cid}.json").write_text(json.dumps(conv(cid, n_in, n_sub)))
+    tok = get_tokenizer()
+    every = build_spec("ag", TraceSpec(format="agentic", path=str(tmp_path)), tok, 0)
+    fit = build_spec("ag", TraceSpec(format="agentic", path=str(tmp_path),
+                                     max_context_tokens=200), tok, 0)
+    assert [c.cid for c in every.conversations] == ["a", "b", "c", "d"]
+    assert [c.cid for c in fit.conversations] == ["a", "d"] and len(fit) == 4
+    assert "left out 2 conversation(s) with a request over max_context_tokens (200)" in \
+        fit.notes
+    clipped = build_spec("ag", TraceSpec(format="agentic", path=str(tmp_path),
+                                         max_context_tokens=200, max_output_tokens=39),
+                         tok, 0)  # the output as sent counts: 161 + 39 fits
+    assert [c.cid for c in clipped.conversations] == ["a", "b", "c", "d"]
+    with pytest.raises(ValueError, match="max_context_tokens applies to format"):
+        TraceSpec(format="mooncake", path="x", max_context_tokens=10)
