@@ -138,7 +138,8 @@ def load(config: Path, workload: str, warm: bool) -> tuple[list[tuple], dict, li
 def sim_sessions(built, block: int = 16) -> list[tuple]:
     """An agentic trace's conversations for the sim, without prompt text: a session is a
     tuple of ("req", class, prompt tokens, block hashes, max tokens, think s, offset s,
-    stream) and ("spawn", think s, [sessions]) in the reader's seeded session order, with its
+    stream, session id) and ("spawn", think s, [sessions]) in the reader's seeded session
+    order, with its
     think times and Spawn groups (what ``Session.next_request`` yields). Each 64-token block of the trace
     is ``64 / block`` engine blocks hashed from the reader's block key (equal ids, equal
     hashes, chained), the tail after the last full block one fresh hash per engine block."""
@@ -160,7 +161,7 @@ def sim_sessions(built, block: int = 16) -> list[tuple]:
                 h = hash((h, sid, k, q))
                 hashes.append(h)
             items.append(("req", "trace", x.n_in, hashes, built._max_tokens(x.n_out),
-                          x.think_s, x.offset_s, x.stream))
+                          x.think_s, x.offset_s, x.stream, sid))
         return items
 
     return [one(s.conv, s.sess, s.conv.cid) for s in built.sessions()]
@@ -175,7 +176,9 @@ def run_sessions(topology: str, options: dict, convs: list, users: int, seconds:
     at the conversation's start plus its recorded offset but never before the previous
     answer ("timestamps"); times divided by ``time_scale``. A Spawn starts its sub-agent
     sessions together and the parent waits for all of them. Non-streaming requests have no
-    TTFT (NaN), as a client sees them."""
+    TTFT (NaN), as a client sees them. With ``pin_header`` in ``options`` each request names
+    its session (the conversation's, or a sub-agent's, id and the replay's pass) and the
+    router keeps a session on the replica its first request went to."""
     loop = virtual.VirtualLoop()
     res = validate_options(topology, options).resolved()
     if res.cfg.block_tokens != 16:
@@ -185,16 +188,18 @@ def run_sessions(topology: str, options: dict, convs: list, users: int, seconds:
     rows: list[dict] = []
     t0 = 0.0
     n = itertools.count()
+    passes = itertools.count()  # each replay of a conversation is a session of its own
+    pin = bool(res.cfg.pin_header)  # the router pins each session (its id, as the header)
 
-    async def session(items, start: float) -> None:
+    async def session(items, start: float, npass: int) -> None:
         for it in items:
             if loop.time() - t0 >= seconds:
                 return
             if it[0] == "spawn":
                 await asyncio.sleep(it[1] / time_scale)
-                await asyncio.gather(*(session(s, start) for s in it[2]))
+                await asyncio.gather(*(session(s, start, npass) for s in it[2]))
                 continue
-            _, cls, n_prompt, hashes, max_tokens, think, offset, stream = it
+            _, cls, n_prompt, hashes, max_tokens, think, offset, stream, sid = it
             when = loop.time() + think / time_scale if replay == "think" else \
                 max(loop.time(), start + offset / time_scale)
             if when > loop.time():
@@ -206,7 +211,7 @@ def run_sessions(topology: str, options: dict, convs: list, users: int, seconds:
                    "cached": 0}
             rows.append(row)
             seq.sink = virtual._quiet  # times are read when it finishes
-            await cluster.submit(seq, None, None)
+            await cluster.submit(seq, None, None, f"{sid}#{npass}" if pin else None)
             await wait(seq, lambda: seq.finished)
             row["e2e_ms"] = (loop.time() - t) * 1e3
             if seq.t_first is not None and stream:
@@ -218,7 +223,7 @@ def run_sessions(topology: str, options: dict, convs: list, users: int, seconds:
 
     async def user() -> None:
         while loop.time() - t0 < seconds:
-            await session(next(src), loop.time())
+            await session(next(src), loop.time(), next(passes))
 
     async def main() -> None:
         nonlocal t0

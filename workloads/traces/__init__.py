@@ -51,6 +51,9 @@ class TraceSpec(KindSpec):
                          Annotated[float, Field(ge=0, le=1)]] = "shared"
     min_tokens: bool = False  # agentic: send min_tokens = max_tokens (the answer's length)
     conversations: int | None = Field(default=None, gt=0, le=MAX_REQUESTS)  # agentic: cap
+    # agentic: leave out whole conversations with a request over this many tokens (input plus
+    # output as sent): a trace's longest contexts (452k) past an endpoint's (131,072)
+    max_context_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
 
@@ -58,7 +61,7 @@ class TraceSpec(KindSpec):
     def _agentic_only(self):
         if self.format != "agentic":
             for key, default in (("shared_prefix", "shared"), ("min_tokens", False),
-                                 ("conversations", None)):
+                                 ("conversations", None), ("max_context_tokens", None)):
                 if getattr(self, key) != default:
                     raise ValueError(f"{key} applies to format = \"agentic\" only; remove it")
         return self

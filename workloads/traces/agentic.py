@@ -352,6 +352,7 @@ class AgenticTrace(TraceWorkload):
         self.conversations: list[Conversation] = []
         self.think_sources = dict.fromkeys(("trace", "gap_api_time", "gap_t", "after_spawn"), 0)
         bad_first = None
+        self.too_long = 0  # conversations left out by max_context_tokens
         n_req = 0
         seen_ids: set = set()
         for f in files:
@@ -376,6 +377,11 @@ class AgenticTrace(TraceWorkload):
                 self.skipped_lines += 1
                 bad_first = bad_first or msg
                 continue
+            if spec.max_context_tokens is not None and any(
+                    r.n_in + self._max_tokens(r.n_out) > spec.max_context_tokens
+                    for _, r in walk(conv.main)):
+                self.too_long += 1
+                continue
             for k, v in p.think_sources.items():
                 self.think_sources[k] += v
             if conv.cid in seen_ids:  # two files, one id: each keeps its own sessions
@@ -387,6 +393,9 @@ class AgenticTrace(TraceWorkload):
         if self.skipped_lines:
             self.notes.append(f"skipped {self.skipped_lines} malformed file(s), the first: "
                               f"{bad_first}")
+        if self.too_long:
+            self.notes.append(f"left out {self.too_long} conversation(s) with a request over "
+                              f"max_context_tokens ({spec.max_context_tokens:,})")
         self._require_requests(n_req, self.path, bad_first)
         src = self.think_sources
         self.notes.append(
