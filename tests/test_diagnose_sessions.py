@@ -87,6 +87,12 @@ def test_the_endpoint_that_loses_the_working_set_is_named_and_ranked_below():
     assert "the hits held" in ev["offloaded: what broke it"]
     # ranked by sessions per GPU: offloaded first in the evidence
     assert [k for k, _ in x.evidence][0] == "offloaded: sessions at SLO"
+    # the sentence the verdict prints under its ranking
+    assert n["workload"] == "agentic"
+    assert ("offloaded kept it in its offload tiers (21 sessions x 70k tokens = 1.47M tokens "
+            "of KV; hit ratio 92.0%)") in n["summary"]
+    assert ("colocated lost it (16 sessions x 70k tokens = 1.12M tokens of KV against 450k of "
+            "HBM; hit ratio 30.0%)") in n["summary"]
 
 
 def test_silent_when_every_endpoint_keeps_its_hits():

@@ -128,14 +128,39 @@ def session_cache(d: ReportData) -> list[Finding]:
                "HBM (a KV offload tier in CPU DRAM or on disk: LMCache, vLLM's CPU offload, "
                "Dynamo KVBM) or give each session more HBM (fewer sessions per GPU, more "
                "replicas behind a session-pinning router)")
+        numbers = {"workload": wl, "summary": _summary(rows)}
         out.append(Finding("session_cache", title, ev, cause, fix, severity="warning",
-                           numbers={r["endpoint"]: {
+                           numbers=numbers | {r["endpoint"]: {
                                "sessions": r["cap"].estimate_rps, "per_gpu": r["per_gpu"],
                                "hbm_tokens": r["hbm"], "tier_tokens": r["tiers"],
                                "working_set": r["working_set"], "lost": r["lost"],
                                "hit_pass": (r["pass"] or {}).get("hit"),
                                "hit_fail": (r["fail"] or {}).get("hit")} for r in rows}))
     return out
+
+
+def _summary(rows: list[dict]) -> str:
+    """One sentence for the verdict: who lost the working set and who kept it, with the
+    numbers at each endpoint's first failure."""
+    parts = []
+    for r in rows:
+        x = r["fail"]
+        if x is None:
+            parts.append(f"{r['endpoint']} failed no count within its search")
+            continue
+        at = (f"{_n(x['users'])} sessions x {x['context'] / 1e3:,.0f}k tokens = "
+              f"{x['users'] * x['context'] / 1e6:,.2f}M tokens of KV")
+        if r["lost"]:
+            parts.append(f"{r['endpoint']} lost it ({at} against {r['hbm'] / 1e3:,.0f}k of "
+                         f"HBM; hit ratio {_fmt(x['hit'], '%')})")
+        elif r["tiers"]:
+            parts.append(f"{r['endpoint']} kept it in its offload tiers ({at}; hit ratio "
+                         f"{_fmt(x['hit'], '%')}) and broke on prefill queueing")
+        else:
+            parts.append(f"{r['endpoint']} kept its hits ({at}; hit ratio "
+                         f"{_fmt(x['hit'], '%')}) and broke on queueing")
+    return ("the agent sessions' KV working set (sessions x context, re-sent every turn) "
+            "decided, at each endpoint's first failing count: " + "; ".join(parts) + ".")
 
 
 def _capacity_text(r: dict) -> str:
