@@ -52,8 +52,8 @@ An agentic-coding trace workload (``kind = "trace"``, ``format = "agentic"``) is
 sessions, not at a rate: ``--users`` concurrent users (2,4,8,16) each replay one conversation
 at a time (a seeded order, recycled), sub-agents concurrently with their parent waiting,
 ``--replay think`` (after the previous answer plus the recorded think time) or ``timestamps``
-(the recorded offsets, never before the previous answer), times divided by ``--time-scale``
-(10). Per count: the attainment (TTFT judged on streaming requests only: a non-streaming
+(the recorded offsets, never before the previous answer), times multiplied by ``--time-scale``
+(0.1), as a profile's ``time_scale`` does. Per count: the attainment (TTFT judged on streaming requests only: a non-streaming
 one has none), p99 TTFT and TPOT and the engines' prefix hit ratio; then the most sessions at
 ``--target``. Over 400 lines: the session replay shares the workload build and the judgement.
 
@@ -174,7 +174,7 @@ def run_sessions(topology: str, options: dict, convs: list, users: int, seconds:
     until ``seconds``. A
     request is sent after its session's previous answer plus the think time ("think"), or
     at the conversation's start plus its recorded offset but never before the previous
-    answer ("timestamps"); times divided by ``time_scale``. A Spawn starts its sub-agent
+    answer ("timestamps"); times multiplied by ``time_scale``. A Spawn starts its sub-agent
     sessions together and the parent waits for all of them. Non-streaming requests have no
     TTFT (NaN), as a client sees them. With ``pin_header`` in ``options`` each request names
     its session (the conversation's, or a sub-agent's, id and the replay's pass) and the
@@ -196,12 +196,12 @@ def run_sessions(topology: str, options: dict, convs: list, users: int, seconds:
             if loop.time() - t0 >= seconds:
                 return
             if it[0] == "spawn":
-                await asyncio.sleep(it[1] / time_scale)
+                await asyncio.sleep(it[1] * time_scale)
                 await asyncio.gather(*(session(s, start, npass) for s in it[2]))
                 continue
             _, cls, n_prompt, hashes, max_tokens, think, offset, stream, sid = it
-            when = loop.time() + think / time_scale if replay == "think" else \
-                max(loop.time(), start + offset / time_scale)
+            when = loop.time() + think * time_scale if replay == "think" else \
+                max(loop.time(), start + offset * time_scale)
             if when > loop.time():
                 await asyncio.sleep(when - loop.time())
             t = loop.time()
@@ -398,7 +398,7 @@ def agentic_grid(a, convs: list, slo: dict, topologies: list[str], opts: dict,
     """Per topology, each --users count replayed for --seconds: attainment, p99 TTFT
     (streaming requests) and the engine's prefix hit ratio; the most users at --target."""
     users = [int(x) for x in a.users.split(",")]
-    print(f"sessions: {len(convs)} conversations, replay {a.replay}, times / {a.time_scale:g}")
+    print(f"sessions: {len(convs)} conversations, replay {a.replay}, times x {a.time_scale:g}")
     for topo in topologies:
         print(f"\n{topo} ({gpus[topo]} GPUs)\n  users  requests    att  ttft99 ms  "
               "tpot99 ms   hit")
@@ -464,8 +464,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replay", choices=("think", "timestamps"), default="think",
                     help="agentic traces: send after the previous answer plus the think time, "
                          "or at the recorded offsets (never before the previous answer)")
-    ap.add_argument("--time-scale", type=float, default=10.0,
-                    help="agentic traces: think times and offsets divided by this")
+    ap.add_argument("--time-scale", type=float, default=0.1,
+                    help="agentic traces: think times and offsets multiplied by this (as a "
+                         "profile's time_scale)")
     a = ap.parse_args(argv)
     if a.seconds is None:
         a.seconds = 300.0 if a.precise else 120.0

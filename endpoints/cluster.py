@@ -55,9 +55,16 @@ class Cluster:
                      session: str | None = None) -> None:
         """Front end (tokenising, hashing), routing, the network, then an engine's queue.
         Raises router.RoutingError for an unknown region."""
+        eng, cross = self.router.pick(seq, caller, residency, session)
+        try:
+            await self._to_engine(eng, cross, seq)
+        finally:
+            self.router.arrived(seq)
+
+    async def _to_engine(self, eng: Engine, cross: bool, seq: Seq) -> None:
+        """The front end's delay and the network after routing, then ``eng``'s queue."""
         cfg = self.res.cfg
         scale = cfg.time_scale / 1e3
-        eng, cross = self.router.pick(seq, caller, residency, session)
         delay_ms = seq.n_prompt * cfg.frontend_us_per_prompt_token / 1e3 \
             + self.res.offload_request_overhead_ms * self.topology.offloads_kv
         if cross:

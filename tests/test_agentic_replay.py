@@ -354,6 +354,22 @@ def test_cache_aware_router_pins_a_session_to_its_first_replica():
     assert router.pick(seq(9), session="T")[0] is not first  # a new session: routed, pinned
 
 
+def test_cache_aware_router_spreads_a_burst_of_new_sessions():
+    # sessions starting together: none has reached an engine's queue yet (the front end sits
+    # between routing and the queue), so every replica looks idle; the router counts what it
+    # routed in transit and spreads them, and forgets each as it arrives
+    engines = [_Eng(f"e{i}", "r0") for i in range(4)]
+    router = Router("REGIONAL", {"r0": engines}, 0.0, 40.0, 16)
+    seqs = [Seq(f"q{i}", 20_000, [i * 10**6 + k for k in range(1250)], 4, 0.0)
+            for i in range(8)]
+    picked = [router.pick(q, session=f"S{i}")[0].name for i, q in enumerate(seqs)]
+    assert sorted(picked) == ["e0", "e0", "e1", "e1", "e2", "e2", "e3", "e3"]
+    for q in seqs:
+        router.arrived(q)
+    assert all(t == [0, 0] for t in router._transit.values())
+    router.arrived(seqs[0])  # twice (a dropped request): no effect
+
+
 # --------------------------------------------------------------------------- the options
 
 def test_replay_options_travel_from_the_profile_to_the_job_file(tmp_path):

@@ -94,6 +94,9 @@ def test_predict_on_the_default_config_equals_bakeoff_sims_steady_state(tmp_path
     assert lat["rate"] == c["median"] and lat["pass"]
     x = lat["classes"]["chat"]
     assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["tpot_p50_ms"] <= x["tpot_p99_ms"]
+    # the predicted prefix hit ratio (the twin_gap rule compares the measured one with it):
+    # warm shared system prompts (most of a chat prompt), each prompt's own tail uncached
+    assert 0.5 < x["hit_ratio"] < 1
     # no [twin] in bench.toml: every option is assumed, the endpoint's own ones as given
     assert e["fitted"] == [] and e["twin"] is False
     assumed = {a["option"]: a for a in e["assumed"]}

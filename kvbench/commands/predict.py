@@ -181,14 +181,15 @@ def render(res: dict, markdown: bool = False) -> str:
         if e["latency"]:
             lines += ["", "predicted latency against offered rate (ms):", "",
                       "| req/s | load | class | attainment | TTFT p50 | TTFT p99 | TPOT p50 |"
-                      " TPOT p99 |", "|---|---|---|---|---|---|---|---|"]
+                      " TPOT p99 | prefix hit ratio |", "|---|---|---|---|---|---|---|---|---|"]
             for p in e["latency"]:
                 for cls, x in p["classes"].items():
                     lines.append(f"| {p['rate']:.3f} | {p['load']:g}x | {cls} | {x['att']:.3f} | "
                                  f"{_num(x['ttft_p50_ms'], '.0f')} | "
                                  f"{_num(x['ttft_p99_ms'], '.0f')} | "
                                  f"{_num(x['tpot_p50_ms'], '.1f')} | "
-                                 f"{_num(x['tpot_p99_ms'], '.1f')} |")
+                                 f"{_num(x['tpot_p99_ms'], '.1f')} | "
+                                 f"{_num(x.get('hit_ratio'), '.3f')} |")
         lines.append("")
         if e["fitted"]:
             lines.append(f"{bullet}fitted ([twin]): " + ", ".join(

@@ -138,7 +138,7 @@ def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, secon
         cls, n_prompt, hashes, max_tokens = r
         seq = Seq(f"r{i}", n_prompt, hashes, max_tokens, loop.time())
         row = {"class": cls, "t": t - base["t0"], "ttft_ms": np.nan, "tpot_ms": np.nan,
-               "e2e_ms": np.nan, "ok": False}
+               "e2e_ms": np.nan, "ok": False, "n_prompt": n_prompt, "cached": 0}
         rows.append(row)
         seq.sink = _quiet  # the engine calls it per token instead of waking this task
         await cluster.submit(seq, None, None)
@@ -149,6 +149,7 @@ def run_rate(topology: str, options: dict, reqs: list[tuple], rate: float, secon
         if seq.generated > 1 and seq.t_first is not None:
             row["tpot_ms"] = (row["e2e_ms"] - row["ttft_ms"]) / (seq.generated - 1)
         row["ok"] = seq.error is None
+        row["cached"] = seq.cached_tokens
 
     async def main() -> None:
         cluster.start()
@@ -179,7 +180,8 @@ def _pct(values: np.ndarray, q: float) -> float:
 
 def table(rows: list[dict], slo: dict, warmup_s: float) -> dict:
     """Per class, of the requests that arrived after ``warmup_s``: their number, attainment,
-    p50/p99 TTFT and TPOT (ms) and the SLO missed most."""
+    p50/p99 TTFT and TPOT (ms), the SLO missed most and the prefix hit ratio (cached over
+    prompt tokens of the requests that finished; NaN where rows do not carry them)."""
     out = {}
     for cls in sorted({r["class"] for r in rows}):
         rs = [r for r in rows if r["class"] == cls and r["t"] >= warmup_s]
@@ -199,7 +201,10 @@ def table(rows: list[dict], slo: dict, warmup_s: float) -> dict:
             met += fine
         ttft = np.array([r["ttft_ms"] for r in rs])
         tpot = np.array([r["tpot_ms"] for r in rs])
+        done = [r for r in rs if r["ok"] and "cached" in r]
+        prompt = sum(r["n_prompt"] for r in done)
         out[cls] = {"n": len(rs), "att": met / len(rs),
+                    "hit_ratio": sum(r["cached"] for r in done) / prompt if prompt else np.nan,
                     "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
                     "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
                     "miss": max(miss, key=miss.get) if met < len(rs) else ""}
@@ -268,6 +273,7 @@ def probe(s: Steady, topology: str, options: dict, rate: float, seed: int) -> di
            "classes": {c: {"n": x["n"], "att": x["att"], "ttft_p99_ms": x["ttft_p99"],
                            "tpot_p99_ms": _nan_none(x["tpot_p99"]),
                            "ttft_p50_ms": x["ttft_p50"], "tpot_p50_ms": _nan_none(x["tpot_p50"]),
+                           "hit_ratio": _nan_none(x.get("hit_ratio", np.nan)),
                            "miss": x["miss"]} for c, x in t.items()}}
     s.probes[key] = out
     return out

@@ -25,6 +25,9 @@ from kvbench.reports.rendering.prediction_section import build_prediction
 from kvbench.reports.rendering.cells import SLO_METRICS, fmt, metric_row, table_rows
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose import diagnose, order
+
+# findings whose ``numbers["summary"]`` explains a workload's ranking: shown under its verdict
+RANKING_REASONS = ("session_cache",)
 from kvbench.reports.analysis.numbering import label_of, labels, number
 from kvbench.reports.measures.frame import itl_values, wall_s
 
@@ -139,6 +142,10 @@ def build_context(d: ReportData, title: str | None = None, figures: bool = True,
     per_gpu = tables.per_gpu_block(points, stage_table)
     figures = all_figures(d, stage_table, itl_cache, points) if figures else []
     findings = order(diagnose(d) + as_findings(cache_verified))
+    for g in capacity["verdict"] if capacity else []:
+        # the finding that says why this workload's ranking came out as it did
+        g["why"] = next((x.numbers["summary"] for x in findings if x.rule in RANKING_REASONS
+                         and x.numbers.get("workload") == g["workload"]), None)
     return {
         "title": title or "kvbench report: " + ", ".join(eps),
         "generated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -41,7 +41,9 @@ def build_prediction(d: ReportData, capacity: dict | None = None) -> list[dict]:
                  **{f"{side}_{m}": fmt(p[f"{side}_{m}"]) for side in ("pred", "meas")
                     for m in ("ttft_p99", "tpot_p99")},
                  "err_ttft_p99": _pct(p["err_ttft_p99"]),
-                 "err_tpot_p99": _pct(p["err_tpot_p99"])} for p in c["points"]]
+                 "err_tpot_p99": _pct(p["err_tpot_p99"]),
+                 "pred_hit": fmt(p["pred_hit_ratio"], "fraction"),
+                 "meas_hit": fmt(p["meas_hit_ratio"], "fraction")} for p in c["points"]]
         fitted = ", ".join(f"{f['option']}={f['value']}" + (
             f" ({f['status']})" if f.get("status") not in (None, "fit") else "")
             for f in c["fitted"]) or "none"

@@ -3,7 +3,7 @@ been, fires only when its evidence is in the data, and says the numbers, the cau
 
 One module per concern, each a few rules: ``cache`` (prefix hits lost, HBM full), ``topology``
 (transfer tax, cross-region, residency), ``load`` (overloaded, load generator saturated),
-``errors``, ``hogwild``, ``search`` (a search that passed nothing; which of its probes are
+``errors``, ``hogwild``, ``sessions`` (agent sessions' KV working set), ``search`` (a search that passed nothing; which of its probes are
 evidence at all); ``base`` holds the ``Finding`` they return. ``RULES`` names them all,
 ``diagnose`` runs them and ``order`` puts what a user should act on first.
 
@@ -22,6 +22,7 @@ from kvbench.reports.analysis.diagnose.errors import errors
 from kvbench.reports.analysis.diagnose.hogwild import hogwild
 from kvbench.reports.analysis.diagnose.load import lateness_split, loadgen_saturated, overloaded
 from kvbench.reports.analysis.diagnose.search import start_failed
+from kvbench.reports.analysis.diagnose.sessions import session_cache
 from kvbench.reports.analysis.diagnose.topology import cross_region, residency, transfer_tax
 from kvbench.reports.analysis.diagnose.twin import twin_gap
 
@@ -31,6 +32,7 @@ RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
     "prefix_hits_lost": prefix_hits_lost,
     "transfer_tax": transfer_tax,
     "hbm_full": hbm_full,
+    "session_cache": session_cache,
     "cross_region": cross_region,
     "residency": residency,
     "hogwild": hogwild,
@@ -45,7 +47,7 @@ RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
 # to change in the deployment (residency, routing, cache, capacity), then comparisons of
 # topologies, and last the prefix-cache bookkeeping check (``cache_verify``).
 ACTION_ORDER = ("start_failed", "errors", "residency", "loadgen_saturated", "prefix_hits_lost",
-                "overloaded", "hbm_full", "cross_region", "transfer_tax", "hogwild",
+                "overloaded", "hbm_full", "session_cache", "cross_region", "transfer_tax", "hogwild",
                 "twin_gap", "cache_verify")
 
 
@@ -67,4 +69,4 @@ def diagnose(d: ReportData) -> list[Finding]:
 
 __all__ = ["ACTION_ORDER", "Finding", "MIN_ROWS", "RULES", "order", "start_failed", "SENT_HIT_RATIO_FRACTION", "cross_region", "diagnose",
            "errors", "hbm_full", "hogwild", "lateness_split", "loadgen_saturated", "overloaded",
-           "prefix_hits_lost", "residency", "transfer_tax"]
+           "prefix_hits_lost", "residency", "session_cache", "transfer_tax"]
