@@ -309,8 +309,9 @@ def _has(files, columns: Sequence[str]) -> bool:
     return all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files)
 
 
-def _itl_batches(run_dir: Path, columns: Sequence[str]):
-    """The run's records (``columns``) as Arrow batches of at most ``ITL_BATCH`` rows:
+def _itl_batches(run_dir: Path, columns: Sequence[str], rows: int = ITL_BATCH):
+    """The run's records (``columns``) as Arrow batches of at most ``rows`` rows, in the
+    same order whatever ``rows`` (``record_batches``):
     Parquet file by file (``iter_batches`` without pre-buffering: a few MB in flight, where
     the dataset scanner held a row group's pages of every column ahead), a partition key as
     a constant column; an older schema and live shards through the store's reader."""
@@ -318,15 +319,22 @@ def _itl_batches(run_dir: Path, columns: Sequence[str]):
     parts = []
     if files:
         if _has(files, columns):
-            parts.append(parquet_batches(files, columns))
+            parts.append(parquet_batches(files, columns, rows))
         else:
             parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
     if shard_files(run_dir, "requests"):
         parts.append(scan(run_dir, "requests", columns, parquet=False, strict=True))
     for part in parts:
         for batch in part:
-            for s in range(0, batch.num_rows, ITL_BATCH):
-                yield batch.slice(s, ITL_BATCH)
+            for s in range(0, batch.num_rows, rows):
+                yield batch.slice(s, rows)
+
+
+def record_batches(run_dir: Path, columns: Sequence[str], rows: int = 131_072):
+    """The run's records (``columns``), in the order ``aggregate``'s ITL pass (and its
+    ``on_batch``) meets them, in batches of at most ``rows``: a second read of columns that
+    pass does not need, row for row."""
+    return _itl_batches(Path(run_dir), columns, rows)
 
 
 def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH):
@@ -425,13 +433,18 @@ class _Hist:
         return f
 
 
+def itl_columns() -> list[str]:
+    """The record columns ``aggregate``'s ITL passes read (the group keys, the gaps' inputs)."""
+    return list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
+
+
 def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
          qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = ()
          ) -> dict[str, dict]:
     """ITL's exact quantiles per level by two streamed passes over the gaps (numpy on
     small batches: no list is unnested into a table, no temporary outgrows the cache):
     pass 1 counts gaps per (group, bucket); pass 2 keeps the gaps of the wanted buckets."""
-    columns = list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
+    columns = itl_columns()
     groups, hist = _Groups(), _Hist()
     first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
     for batch in _itl_batches(run_dir, first):
