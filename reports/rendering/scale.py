@@ -289,7 +289,7 @@ def exact_figures(paths: Sequence[Path], labels: Sequence, slo,
         sampler = samplers[i] if samplers else None
         agg = C.aggregate(path, slo, quantiles=q, levels={
             "by_endpoint": ("endpoint",), "by_stage_only": STAGE}, on_batch=sampler,
-            batch_columns=sampler.PASS if sampler else ())
+            batch_columns=sampler.PASS if sampler else (), base=False)
         figs = C.stage_figures(path, slo)
         windows = stage_windows(figs, meta.stages)
         ep_of = figs["endpoint"].astype(str)

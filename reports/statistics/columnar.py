@@ -88,8 +88,8 @@ class Aggregates:
     """One row per group: the keys, ``COUNTS``, and per latency ``<metric>_n`` (its sample
     size) and ``<metric>_<p>`` for each of ``QUANTILES`` (NaN where the sample is empty)."""
 
-    by_stage: pd.DataFrame  # keys STAGE_KEYS
-    by_workload: pd.DataFrame  # keys WORKLOAD_KEYS
+    by_stage: pd.DataFrame | None  # keys STAGE_KEYS (None: ``aggregate(base=False)``)
+    by_workload: pd.DataFrame | None  # keys WORKLOAD_KEYS (None likewise)
     # any further level asked of ``aggregate`` (``levels``): name -> its frame, same columns
     extra: dict[str, pd.DataFrame] = field(default_factory=dict)
 
@@ -519,7 +519,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
               quantiles: Mapping[str, float] = QUANTILES,
               settings: Settings = Settings(),
               levels: Mapping[str, Sequence[str]] | None = None,
-              on_batch=None, batch_columns: Sequence[str] = ()) -> Aggregates:
+              on_batch=None, batch_columns: Sequence[str] = (),
+              base: bool = True) -> Aggregates:
     """The counts and exact latency percentiles of the run in ``run_dir`` (``Aggregates``).
 
     ``slo``: {class: SLO or its dict}; None takes the run's own (run.json's config).
@@ -527,7 +528,9 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
     first), returned in ``Aggregates.extra``. ``on_batch``: called with each batch of the
     records (in file order, ``batch_columns`` among its columns) as the first ITL pass reads
     them, so that a caller takes what it needs of every request (a seeded sample: the
-    report's ``scale``) without decoding the chunk lists once more."""
+    report's ``scale``) without decoding the chunk lists once more. ``base=False``: only
+    ``levels``' groups (``by_stage`` and ``by_workload`` None), whose percentiles cost a
+    selection of their own (the report's Summary reads neither)."""
     run_dir = Path(run_dir)
     if slo is None:
         slo = read_meta(run_dir).slo
@@ -541,8 +544,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
         _records(con, run_dir, columns)
         _views(con, slo)
         counts = _counts(con)
-        levels = {"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS, **{
-            name: tuple(keys) for name, keys in (levels or {}).items()}}
+        levels = {**({"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS} if base else {}),
+                  **{name: tuple(keys) for name, keys in (levels or {}).items()}}
         qs = list(quantiles.values())
         picked: dict[str, dict] = {lvl: {} for lvl in levels}
         hist = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, m, b, count(*) AS n "
@@ -571,7 +574,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
             for p in quantiles:
                 f[f"{m}_{p}"] = np.asarray(cols[p], np.float64)
         frames[lvl] = f
-    return Aggregates(by_stage=frames.pop("by_stage"), by_workload=frames.pop("by_workload"),
+    return Aggregates(by_stage=frames.pop("by_stage", None),
+                      by_workload=frames.pop("by_workload", None),
                       extra=frames)
 
 
