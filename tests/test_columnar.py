@@ -253,3 +253,26 @@ def test_itl_buckets_are_monotone_in_the_gap():
     b = C._gap_bucket(v)
     assert (np.diff(b) >= 0).all()
     assert (b[v < 0] < b[v >= 0].min()).all()
+
+
+def test_the_itl_spill_gives_back_every_gap_and_its_group(tmp_path):
+    """Pass 2 reads pass 1's spill, not the chunk lists: every gap back as it was (those
+    outside uint32's range too: negative, over 4.29 s), each with its row's group."""
+    rng = np.random.default_rng(5)
+    spill = C._Spill(str(tmp_path))
+    want_g, want_v = [], []
+    try:
+        for _ in range(3):
+            rows = rng.integers(0, 7, 50)
+            per_row = rng.integers(0, 6, 50)
+            v = rng.integers(0, 10**8, int(per_row.sum())).astype(np.int64)
+            v[::11] = rng.choice([-3, 2**32 - 1, 2**32, 2**40, -2**40], len(v[::11]))
+            spill.write(rows, per_row, v)
+            want_g.append(np.repeat(rows, per_row)), want_v.append(v)
+        got = list(spill.read())
+    finally:
+        spill.close()
+    assert len(got) == 3
+    for (g, v), wg, wv in zip(got, want_g, want_v):
+        assert g.dtype == v.dtype == np.int64
+        assert np.array_equal(g, wg) and np.array_equal(v, wv)

@@ -24,8 +24,10 @@ TTFT, TPOT and E2E (one value per request) run in DuckDB over the scalar columns
 aggregate, which spills under the memory limit). ITL (~47 gaps per request: 470M at 10M
 requests) is streamed: the list column is read file by file in batches of ``ITL_BATCH``
 requests, the gaps derived by the definitions' numpy evaluation, bucketed by their float64 bit
-pattern and counted by ``bincount`` into a dense (group, bucket) matrix; pass 2 reads them again
-and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few MB: on
+pattern and counted by ``bincount`` into a dense (group, bucket) matrix, and spilled to an
+unlinked temporary file (4 bytes a gap: 1.9 GB at 10M, in the page cache mostly); pass 2 reads
+the spill back, not the Parquet (whose chunk lists cost more to decode than anything done with
+the gaps), and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few MB: on
 this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which is what
 unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps (exact
 order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
@@ -390,14 +392,58 @@ class _Groups:
         return lut[inv.reshape(-1)]
 
 
-def _gaps(batch, groups: _Groups) -> tuple[np.ndarray, np.ndarray]:
-    """(group number, ns gap) of every ITL gap of ``batch``: ``definitions``' own gaps."""
+def _row_gaps(batch, groups: _Groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(group number of each row, gaps of each row, ns gaps) of ``batch``: ``definitions``'
+    own gaps, in row order."""
     got = D.evaluate(["itl_gaps_ns"], D.from_arrow(batch, D.inputs(["itl_gaps_ns"])),
                      n=batch.num_rows)["itl_gaps_ns"]
     per_row = np.diff(got.offsets)
     if not len(got.values):
-        return np.zeros(0, np.int64), got.values
-    return np.repeat(groups.of(batch), per_row), got.values
+        return np.zeros(0, np.int64), per_row, got.values
+    return groups.of(batch), per_row, got.values
+
+
+def _gaps(batch, groups: _Groups) -> tuple[np.ndarray, np.ndarray]:
+    """(group number, ns gap) of every ITL gap of ``batch``."""
+    rows, per_row, v = _row_gaps(batch, groups)
+    return (np.repeat(rows, per_row) if len(v) else rows), v
+
+
+class _Spill:
+    """Pass 1's gaps, written as it meets them into an unlinked temporary file, so that
+    pass 2 reads 4 bytes a gap back (from the page cache, mostly) instead of decoding every
+    chunk list again: a gap as uint32 ns (4.29 s; one outside that range as the marker
+    ``_FAR``, its value kept aside), its group from each row's group and gap count (held
+    here: 8 bytes a request)."""
+
+    _FAR = np.uint32(0xFFFFFFFF)
+
+    def __init__(self, directory: str | None) -> None:
+        self.file = tempfile.TemporaryFile(dir=directory, prefix="kvbench-itl-")
+        self.parts: list[tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]] = []
+
+    def write(self, rows: np.ndarray, per_row: np.ndarray, v: np.ndarray) -> None:
+        far = np.flatnonzero((v < 0) | (v >= np.int64(self._FAR)))
+        u = v.astype(np.uint32)
+        if len(far):
+            u[far] = self._FAR
+        self.file.write(memoryview(u))
+        self.parts.append((rows.astype(np.int32), per_row.astype(np.int32), len(v), far,
+                           v[far]))
+
+    def read(self):
+        """(group number, ns gap) per part written, in order."""
+        self.file.seek(0)
+        for rows, per_row, n, far, far_v in self.parts:
+            u = np.empty(n, np.uint32)
+            self.file.readinto(memoryview(u))
+            v = u.astype(np.int64)
+            v[far] = far_v
+            yield np.repeat(rows.astype(np.int64), per_row), v
+
+    def close(self) -> None:
+        self.file.close()
+        self.parts = []
 
 
 class _Hist:
@@ -439,20 +485,33 @@ def itl_columns() -> list[str]:
 
 
 def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
-         qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = ()
-         ) -> dict[str, dict]:
+         qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = (),
+         temp_directory: str | None = None) -> dict[str, dict]:
     """ITL's exact quantiles per level by two streamed passes over the gaps (numpy on
     small batches: no list is unnested into a table, no temporary outgrows the cache):
-    pass 1 counts gaps per (group, bucket); pass 2 keeps the gaps of the wanted buckets."""
+    pass 1 decodes the chunk lists, counts gaps per (group, bucket) and spills the gaps
+    (``_Spill``, in ``temp_directory``); pass 2 reads the spill back and keeps the gaps of
+    the wanted buckets."""
     columns = itl_columns()
     groups, hist = _Groups(), _Hist()
-    first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
-    for batch in _itl_batches(run_dir, first):
-        if on_batch is not None:
-            on_batch(batch)
-        g, v = _gaps(batch, groups)
-        if len(v):
-            hist.add(g, _gap_bucket(v))
+    spill = _Spill(temp_directory)
+    try:
+        first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
+        for batch in _itl_batches(run_dir, first):
+            if on_batch is not None:
+                on_batch(batch)
+            rows, per_row, v = _row_gaps(batch, groups)
+            if len(v):
+                hist.add(np.repeat(rows, per_row), _gap_bucket(v))
+                spill.write(rows, per_row, v)
+        return _itl_select(hist, groups, levels, qs, spill)
+    finally:
+        spill.close()
+
+
+def _itl_select(hist: _Hist, groups: _Groups, levels: Mapping[str, Sequence[str]],
+                qs: Sequence[float], spill: _Spill) -> dict[str, dict]:
+    """ITL's pass 2, over the gaps ``spill`` holds, and the quantiles from its values."""
     h = hist.frame(groups)
     if not len(h):
         return {lvl: {} for lvl in levels}
@@ -466,10 +525,7 @@ def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
             if key[0] == e:
                 keep[i, b - hist.base] = True
     got_g, got_b, got_v = [], [], []
-    for batch in _itl_batches(run_dir, columns):
-        g, v = _gaps(batch, groups)
-        if not len(v):
-            continue
+    for g, v in spill.read():
         b = _gap_bucket(v)
         mask = keep[g, b - hist.base]  # pass 1 met every (group, bucket) of these gaps
         if mask.any():
@@ -553,7 +609,7 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
         if len(hist):
             for lvl, got in _select(con, "scalar_values", hist, levels, qs, _f64).items():
                 picked[lvl].update(got)
-        for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns).items():
+        for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns, tmp).items():
             picked[lvl].update(got)
     finally:
         con.close()
