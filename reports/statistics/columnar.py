@@ -321,7 +321,7 @@ def _itl_batches(run_dir: Path, columns: Sequence[str], rows: int = ITL_BATCH):
     parts = []
     if files:
         if _has(files, columns):
-            parts.append(parquet_batches(files, columns, rows))
+            parts.append(parquet_batches(files, columns, rows, coded=True))
         else:
             parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
     if shard_files(run_dir, "requests"):
@@ -342,15 +342,17 @@ def record_batches(run_dir: Path, columns: Sequence[str], rows: int = 131_072):
 _CODED = frozenset({"endpoint", "workload", "request_class", "status"})
 
 
-def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH):
+def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH,
+                    coded: bool = False):
     """``columns`` of ``files`` (``parquet_files``) in batches, file by file, a partition key
-    as a constant column of its ``REQUESTS`` type."""
+    as a constant column of its ``REQUESTS`` type; ``coded``: the group keys and the status
+    (``_CODED``) as dictionary arrays where a file holds them."""
     for f, keys in files:
         own = [c for c in columns if c not in keys]
         # the group keys and the status as dictionaries, as Parquet holds them (what the
         # group numbering and the definitions encode them into): no string per row
-        coded = [c for c in own if c in _CODED]
-        for b in pq.ParquetFile(f, pre_buffer=False, read_dictionary=coded).iter_batches(
+        dicts = [c for c in own if c in _CODED] if coded else []
+        for b in pq.ParquetFile(f, pre_buffer=False, read_dictionary=dicts).iter_batches(
                 batch_size=batch_size, columns=own):
             yield pa.RecordBatch.from_arrays(
                 [b.column(c) if c not in keys else
