@@ -276,3 +276,30 @@ def test_the_itl_spill_gives_back_every_gap_and_its_group(tmp_path):
     for (g, v), wg, wv in zip(got, want_g, want_v):
         assert g.dtype == v.dtype == np.int64
         assert np.array_equal(g, wg) and np.array_equal(v, wv)
+
+
+def test_the_spill_read_by_grains_keeps_every_gap_of_the_buckets_asked(tmp_path):
+    """Pass 2 reads only the gaps in grains that may hold a wanted bucket: every gap of
+    those buckets among them (and the far ones), each with its own group."""
+    rng = np.random.default_rng(8)
+    spill = C._Spill(str(tmp_path))
+    rows = rng.integers(0, 5, 400)
+    per_row = rng.integers(0, 40, 400)
+    v = rng.lognormal(17, 1.5, int(per_row.sum())).astype(np.int64)
+    v[::97] = -7
+    v[::89] = 2**33
+    spill.write(rows, per_row, v)
+    g_all = np.repeat(rows, per_row)
+    b_all = C._gap_bucket(v)
+    want = rng.choice(np.unique(b_all), 6, replace=False)
+    try:
+        (g, got), = list(spill.read(C._Spill.grains(want)))
+    finally:
+        spill.close()
+    inside = np.isin(C._gap_bucket(got), want)
+    expect = np.isin(b_all, want)
+    assert sorted(zip(g[inside], got[inside])) == sorted(zip(g_all[expect], v[expect]))
+    assert set(v[(v < 0) | (v >= 2**32)]) <= set(got)
+    bounds = C._bucket_floor(np.asarray(want))
+    assert (C._gap_bucket(bounds) >= want).all()
+    assert (C._gap_bucket(np.maximum(bounds - 1, 0)) < want).all() or (bounds == 0).any()

@@ -306,6 +306,18 @@ def _gap_bucket(v: np.ndarray) -> np.ndarray:
     return bits
 
 
+def _bucket_floor(buckets: np.ndarray) -> np.ndarray:
+    """Per bucket, the least ns gap in [0, 2**32] whose ``_gap_bucket`` is at least it (by
+    bisection: the bucket is monotone in the gap)."""
+    lo = np.zeros(len(buckets), np.int64)
+    hi = np.full(len(buckets), 1 << 32, np.int64)
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        up = _gap_bucket(mid) >= buckets
+        hi, lo = np.where(up, mid, hi), np.where(up, lo, mid + 1)
+    return lo
+
+
 def _has(files, columns: Sequence[str]) -> bool:
     """Every file holds ``columns`` (in it or as a partition key): today's schema."""
     return all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files)
@@ -439,15 +451,39 @@ class _Spill:
         self.parts.append((rows.astype(np.int32), per_row.astype(np.int32), len(v), far,
                            v[far]))
 
-    def read(self):
-        """(group number, ns gap) per part written, in order."""
+    GRAIN = 12  # a grain: 4096 consecutive ns values, those of a gap's ``u >> GRAIN``
+
+    @classmethod
+    def grains(cls, buckets: np.ndarray) -> np.ndarray:
+        """A lookup over the grains of uint32 ns: True where a gap in one may fall into one
+        of ``buckets`` (``_gap_bucket``'s), and for the grain of ``_FAR``."""
+        buckets = np.unique(np.asarray(buckets, np.int64))
+        lut = np.zeros(1 << (32 - cls.GRAIN), bool)
+        lut[-1] = True
+        if len(buckets):
+            lo, hi = _bucket_floor(buckets), _bucket_floor(buckets + 1)
+            for a, z in zip(lo.tolist(), hi.tolist()):
+                if z > a:
+                    lut[a >> cls.GRAIN:((z - 1) >> cls.GRAIN) + 1] = True
+        return lut
+
+    def read(self, grains: np.ndarray | None = None):
+        """(group number, ns gap) per part written, in order: all of them, or (``grains``)
+        those in a marked grain, with any others there may be."""
         self.file.seek(0)
         for rows, per_row, n, far, far_v in self.parts:
             u = np.empty(n, np.uint32)
             self.file.readinto(memoryview(u))
-            v = u.astype(np.int64)
-            v[far] = far_v
-            yield np.repeat(rows.astype(np.int64), per_row), v
+            if grains is None:
+                v = u.astype(np.int64)
+                v[far] = far_v
+                yield np.repeat(rows.astype(np.int64), per_row), v
+                continue
+            at = np.flatnonzero(grains[u >> self.GRAIN])  # every far gap among them
+            v = u[at].astype(np.int64)
+            v[np.searchsorted(at, far)] = far_v
+            row = np.searchsorted(np.cumsum(per_row), at, side="right")
+            yield rows.astype(np.int64)[row], v
 
     def close(self) -> None:
         self.file.close()
@@ -533,7 +569,8 @@ def _itl_select(hist: _Hist, groups: _Groups, levels: Mapping[str, Sequence[str]
             if key[0] == e:
                 keep[i, b - hist.base] = True
     got_g, got_b, got_v = [], [], []
-    for g, v in spill.read():
+    buckets = np.flatnonzero(keep.any(axis=0)) + hist.base
+    for g, v in spill.read(_Spill.grains(buckets)):
         b = _gap_bucket(v)
         mask = keep[g, b - hist.base]  # pass 1 met every (group, bucket) of these gaps
         if mask.any():
