@@ -303,3 +303,14 @@ def test_the_spill_read_by_grains_keeps_every_gap_of_the_buckets_asked(tmp_path)
     bounds = C._bucket_floor(np.asarray(want))
     assert (C._gap_bucket(bounds) >= want).all()
     assert (C._gap_bucket(np.maximum(bounds - 1, 0)) < want).all() or (bounds == 0).any()
+
+
+def test_value_buckets_are_monotone_in_the_value():
+    rng = np.random.default_rng(4)
+    v = np.sort(np.r_[rng.normal(0, 1e3, 20000), rng.lognormal(0, 8, 20000),
+                      -rng.lognormal(0, 8, 2000), [0.0, -0.0, 1e-300, -1e-300, 1e300,
+                                                    -1e300, 2.0 ** -20, 2.0 ** 60]])
+    b = C._value_bucket(v)
+    assert (np.diff(b) >= 0).all()
+    assert (b[v < 0] < b[v >= 0].min()).all()
+    assert b.max() - b.min() < 2 * (C._VALUE_CEIL + 1)  # a dense histogram stays narrow

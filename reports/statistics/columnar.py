@@ -3,9 +3,10 @@ request_class, stage) and per (endpoint, workload), the request counts (total, o
 status, cancelled), the goodput counts (SLO judged and met) and EXACT percentiles of TTFT, TPOT,
 E2E and ITL, computed where the records lie without a row per request in memory.
 
-Over 400 lines, kept whole: the two evaluations of one two-pass selection (DuckDB for the
-per-request values, numpy streaming for ITL's pooled gaps) share its order-statistic and
-interpolation code, and the equality test holds both to the request frame at once.
+Over 400 lines, kept whole: the two evaluations of one two-pass selection (the per-request
+values DuckDB evaluates, ITL's pooled gaps numpy derives, both bucketed and selected in numpy
+as they stream) share its order-statistic and interpolation code, and the equality test holds
+both to the request frame at once.
 
 Every per-request value is ``reports.measures.definitions``' own evaluation of the same
 definition the request frame evaluates (its ``sql`` in DuckDB; for ITL its numpy ``evaluate``
@@ -20,15 +21,18 @@ which are sorted here. The bucket is monotone in the value, so the k-th value of
 the r-th of its bucket. A per-workload group's histogram is the sum of its stages' and
 classes' histograms, so both levels come from one scan.
 
-TTFT, TPOT and E2E (one value per request) run in DuckDB over the scalar columns only (a hash
-aggregate, which spills under the memory limit). ITL (~47 gaps per request: 470M at 10M
-requests) is streamed: the list column is read file by file in batches of ``ITL_BATCH``
-requests, the gaps derived by the definitions' numpy evaluation, bucketed by their float64 bit
-pattern and counted by ``bincount`` into a dense (group, bucket) matrix, and spilled to an
-unlinked temporary file (4 bytes a gap: 1.9 GB at 10M, in the page cache mostly); pass 2 reads
-the spill back, not the Parquet (whose chunk lists cost more to decode than anything done with
-the gaps), and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few MB: on
-this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which is what
+TTFT, TPOT, E2E and lateness (one value per request) are evaluated by DuckDB over the scalar
+columns only and handed over as Arrow batches (``_scalars``), read twice: bucketed by their
+float64 bits and counted into a dense histogram per metric, then kept where wanted (an
+aggregate of the values unpivoted in DuckDB, 60M rows at 10M requests, and a join over them
+again cost twice as much at 10M). ITL (~47 gaps per request: 470M at 10M requests) is
+streamed: the list column is read file by file in batches of ``ITL_BATCH`` requests, the gaps
+derived by the definitions' numpy evaluation, bucketed by their float64 bit pattern and
+counted by ``bincount`` into a dense (group, bucket) matrix, and spilled to an unlinked
+temporary file (4 bytes a gap: 1.9 GB at 10M, in the page cache mostly); pass 2 reads the
+spill back, not the Parquet (whose chunk lists cost more to decode than anything done with the
+gaps), and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few
+MB: on this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which is what
 unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps (exact
 order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
 
@@ -70,8 +74,6 @@ SCALARS = tuple(m for m in LATENCIES if m != "itl")  # one value per request
 ERROR_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "cancelled"))
 COUNTS = ("requests", "ok", "errors", "cancelled", "judged", "met",
           *(f"errors_{s}" for s in ERROR_STATUSES))
-# buckets per doubling of |value| + 1: about 0.27% wide, so a bucket holds few values
-BUCKETS_PER_OCTAVE = 256
 _FLAGS = ("ok", "cancelled", "failed", "judged", "met")
 
 
@@ -168,23 +170,13 @@ def _records(con, run_dir: Path, columns: Sequence[str]) -> None:
     con.execute("CREATE TEMP VIEW records AS " + " UNION ALL ".join(parts))
 
 
-def _bucket(v: str) -> str:
-    """The bucket of value ``v``: monotone (non-decreasing) in the value, signed."""
-    return (f"CAST(sign(CAST({v} AS DOUBLE)) * floor(log2(abs(CAST({v} AS DOUBLE)) + 1) * "
-            f"{BUCKETS_PER_OCTAVE}) AS BIGINT)")
-
-
 def _views(con, slo: Mapping[str, object]) -> None:
-    """``req`` (the definitions per request) and ``scalar_values`` (one row per value: keys,
-    metric ``m``, value ``v``, bucket ``b``). ITL's gaps are not here: ``_itl`` streams them."""
+    """``req``: the definitions per request (flags and latencies). ITL's gaps are not here:
+    ``_itl`` streams them."""
     keys = ", ".join(STAGE_KEYS)
     flags = ", ".join(f"{D.sql(f, slo)} AS {f}" for f in _FLAGS)
     lat = ", ".join(f"{D.sql(d, slo)} AS {m}" for m, d in LATENCIES.items() if m in SCALARS)
     con.execute(f"CREATE TEMP VIEW req AS SELECT {keys}, status, {flags}, {lat} FROM records")
-    # UNPIVOT leaves out nulls: a request without the value is not in its sample
-    con.execute(f"""CREATE TEMP VIEW scalar_values AS SELECT *, {_bucket('v')} AS b FROM (
-        UNPIVOT (SELECT {keys}, {', '.join(SCALARS)} FROM req)
-        ON {', '.join(SCALARS)} INTO NAME m VALUE v)""")
 
 
 def _counts(con) -> pd.DataFrame:
@@ -243,22 +235,6 @@ def _wanted(hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
                       for _, pair in picks for bk, _ in pair],
                      columns=["endpoint", "m", "b"]).drop_duplicates()
     return wants, w.astype({"b": np.int64})
-
-
-def _select(con, view: str, hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
-            qs: Sequence[float], convert) -> dict[str, dict]:
-    """Pass 2 over ``view``: per level, {(group key, metric): (n, [quantile values])}."""
-    wants, w = _wanted(hist, levels, qs)
-    if w.empty:
-        return {lvl: {} for lvl in levels}
-    con.register("_kvbench_wanted", w)
-    try:
-        on = " AND ".join(f"v.{c} IS NOT DISTINCT FROM w.{c}" for c in w.columns)
-        vals = con.execute(f"""SELECT {', '.join('v.' + k for k in STAGE_KEYS)}, v.m, v.b, v.v
-            FROM {view} v JOIN _kvbench_wanted w ON {on}""").fetch_df()
-    finally:
-        con.unregister("_kvbench_wanted")
-    return _pick(vals, wants, levels, convert)
 
 
 def _pick(vals: pd.DataFrame, wants: dict, levels: Mapping[str, Sequence[str]],
@@ -512,12 +488,12 @@ class _Hist:
         n = np.bincount(g * width + (b - lo), minlength=rows * width).reshape(rows, width)
         self.counts[:, lo - self.base:lo - self.base + width] += n
 
-    def frame(self, groups: _Groups) -> pd.DataFrame:
+    def frame(self, groups: _Groups, m: str = "itl") -> pd.DataFrame:
         gi, bi = np.nonzero(self.counts)
         keys = [groups.keys[i] for i in gi.tolist()]
         f = pd.DataFrame(keys, columns=list(STAGE_KEYS)) if keys else pd.DataFrame(
             columns=list(STAGE_KEYS))
-        f["m"] = "itl"
+        f["m"] = m
         f["b"] = (bi + self.base).astype(np.int64)
         f["n"] = self.counts[gi, bi]
         return f
@@ -608,6 +584,80 @@ def _itl_select(hist: _Hist, groups: _Groups, levels: Mapping[str, Sequence[str]
     return out
 
 
+SCALAR_BATCH = 131_072  # requests per batch of the per-request values DuckDB hands over
+# a per-request value's bucket: its float64 magnitude's exponent and top 8 mantissa bits,
+# magnitudes below 2**-20 in one bucket, above 2**60 in one (a dense histogram stays narrow)
+_VALUE_SHIFT = 52 - 8
+_VALUE_FLOOR = int(np.float64(2.0 ** -20).view(np.int64)) >> _VALUE_SHIFT
+_VALUE_CEIL = (int(np.float64(2.0 ** 60).view(np.int64)) >> _VALUE_SHIFT) - _VALUE_FLOOR
+
+
+def _value_bucket(v: np.ndarray) -> np.ndarray:
+    """A bucket per float64 value (no NaN), monotone (non-decreasing) in the value: every
+    negative below every other, by magnitude."""
+    mag = np.abs(v).view(np.int64) >> _VALUE_SHIFT
+    mag = np.clip(mag - _VALUE_FLOOR, 0, _VALUE_CEIL)
+    return np.where(v < 0, -mag - 1, mag)
+
+
+def _scalars(con, levels: Mapping[str, Sequence[str]], qs: Sequence[float]
+             ) -> dict[str, dict]:
+    """The per-request latencies' quantiles per level (``_select``'s result) by the same
+    two-pass selection, DuckDB evaluating the values (view ``req``: the definitions' SQL)
+    and numpy bucketing them: pass 1 counts values per (stage group, bucket) into a dense
+    histogram per metric as DuckDB's batches stream out, pass 2 streams them again and keeps
+    those in the wanted buckets. (A DuckDB aggregate over the values unpivoted, 60M rows
+    at 10M requests, and a join over them again cost several times this.)"""
+    query = f"SELECT {', '.join(STAGE_KEYS)}, {', '.join(SCALARS)} FROM req"
+
+    def batches():
+        reader = con.sql(query).to_arrow_reader(SCALAR_BATCH)
+        for batch in reader:
+            g = groups.of(batch)
+            for m in SCALARS:
+                col = batch.column(m)
+                v = col.to_numpy(zero_copy_only=False).astype(np.float64)
+                ok = ~np.isnan(v)
+                if col.null_count:
+                    ok &= col.is_valid().to_numpy(zero_copy_only=False)
+                if ok.all():
+                    yield m, g, v
+                elif ok.any():
+                    yield m, g[ok], v[ok]
+
+    groups = _Groups()
+    hists = {m: _Hist() for m in SCALARS}
+    for m, g, v in batches():
+        hists[m].add(g, _value_bucket(v))
+    frames = [hists[m].frame(groups, m) for m in SCALARS if hists[m].counts.size]
+    if not frames:
+        return {lvl: {} for lvl in levels}
+    wants, w = _wanted(pd.concat(frames, ignore_index=True), levels, qs)
+    keep = {}
+    for m in SCALARS:
+        h = hists[m]
+        keep[m] = np.zeros((len(groups.keys), h.counts.shape[1]), bool)
+        for e, b in zip(w.loc[w["m"] == m, "endpoint"].map(_norm), w.loc[w["m"] == m, "b"]):
+            for i, key in enumerate(groups.keys):
+                if key[0] == e and 0 <= b - h.base < h.counts.shape[1]:
+                    keep[m][i, b - h.base] = True
+    got: list[pd.DataFrame] = []
+    for m, g, v in batches():  # the groups met in pass 1, the same buckets
+        h = hists[m]
+        b = _value_bucket(v)
+        mask = keep[m][g, b - h.base]
+        if mask.any():
+            part = pd.DataFrame({"_g": g[mask], "b": b[mask], "v": v[mask]})
+            part["m"] = m
+            got.append(part)
+    if not got:
+        return {lvl: {} for lvl in levels}
+    vals = pd.concat(got, ignore_index=True)
+    keys = pd.DataFrame(groups.keys, columns=list(STAGE_KEYS)).iloc[vals["_g"].to_numpy()]
+    vals = pd.concat([keys.reset_index(drop=True), vals.drop(columns="_g")], axis=1)
+    return _pick(vals, wants, levels, _f64)
+
+
 def _ms32(v: np.ndarray) -> np.ndarray:
     return D.gap_ms32(v.astype(np.int64)).astype(np.float32)
 
@@ -649,11 +699,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
                   **{name: tuple(keys) for name, keys in (levels or {}).items()}}
         qs = list(quantiles.values())
         picked: dict[str, dict] = {lvl: {} for lvl in levels}
-        hist = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, m, b, count(*) AS n "
-                           "FROM scalar_values GROUP BY ALL").fetch_df()
-        if len(hist):
-            for lvl, got in _select(con, "scalar_values", hist, levels, qs, _f64).items():
-                picked[lvl].update(got)
+        for lvl, got in _scalars(con, levels, qs).items():
+            picked[lvl].update(got)
         for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns, tmp).items():
             picked[lvl].update(got)
     finally:
