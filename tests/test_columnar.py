@@ -18,6 +18,7 @@ from kvbench.core.schema import REQUESTS
 from kvbench.core.shards import ShardWriter
 from kvbench.reports.measures import data
 from kvbench.reports.statistics import columnar as C
+from kvbench.reports.statistics import columnar_select as S
 from kvbench.reports.statistics import metrics as M
 from synthetic import EndpointShape, RunShape, run_meta, synth_table, write_run
 
@@ -250,6 +251,67 @@ def test_itl_buckets_are_monotone_in_the_gap():
     rng = np.random.default_rng(3)
     v = np.sort(np.r_[rng.integers(-10**12, 10**12, 20000), rng.integers(-5, 5, 100),
                       [0, -1, 1, 2**62, -2**62, 2**53 + 1, 2**53]]).astype(np.int64)
-    b = C._gap_bucket(v)
+    b = S._gap_bucket(v)
     assert (np.diff(b) >= 0).all()
     assert (b[v < 0] < b[v >= 0].min()).all()
+
+
+def test_the_itl_spill_gives_back_every_gap_and_its_group(tmp_path):
+    """Pass 2 reads pass 1's spill, not the chunk lists: every gap back as it was (those
+    outside uint32's range too: negative, over 4.29 s), each with its row's group."""
+    rng = np.random.default_rng(5)
+    spill = S._Spill(str(tmp_path))
+    want_g, want_v = [], []
+    try:
+        for _ in range(3):
+            rows = rng.integers(0, 7, 50)
+            per_row = rng.integers(0, 6, 50)
+            v = rng.integers(0, 10**8, int(per_row.sum())).astype(np.int64)
+            v[::11] = rng.choice([-3, 2**32 - 1, 2**32, 2**40, -2**40], len(v[::11]))
+            spill.write(rows, per_row, v)
+            want_g.append(np.repeat(rows, per_row)), want_v.append(v)
+        got = list(spill.read())
+    finally:
+        spill.close()
+    assert len(got) == 3
+    for (g, v), wg, wv in zip(got, want_g, want_v):
+        assert g.dtype == v.dtype == np.int64
+        assert np.array_equal(g, wg) and np.array_equal(v, wv)
+
+
+def test_the_spill_read_by_grains_keeps_every_gap_of_the_buckets_asked(tmp_path):
+    """Pass 2 reads only the gaps in grains that may hold a wanted bucket: every gap of
+    those buckets among them (and the far ones), each with its own group."""
+    rng = np.random.default_rng(8)
+    spill = S._Spill(str(tmp_path))
+    rows = rng.integers(0, 5, 400)
+    per_row = rng.integers(0, 40, 400)
+    v = rng.lognormal(17, 1.5, int(per_row.sum())).astype(np.int64)
+    v[::97] = -7
+    v[::89] = 2**33
+    spill.write(rows, per_row, v)
+    g_all = np.repeat(rows, per_row)
+    b_all = S._gap_bucket(v)
+    want = rng.choice(np.unique(b_all), 6, replace=False)
+    try:
+        (g, got), = list(spill.read(S._Spill.grains(want)))
+    finally:
+        spill.close()
+    inside = np.isin(S._gap_bucket(got), want)
+    expect = np.isin(b_all, want)
+    assert sorted(zip(g[inside], got[inside])) == sorted(zip(g_all[expect], v[expect]))
+    assert set(v[(v < 0) | (v >= 2**32)]) <= set(got)
+    bounds = S._bucket_floor(np.asarray(want))
+    assert (S._gap_bucket(bounds) >= want).all()
+    assert (S._gap_bucket(np.maximum(bounds - 1, 0)) < want).all() or (bounds == 0).any()
+
+
+def test_value_buckets_are_monotone_in_the_value():
+    rng = np.random.default_rng(4)
+    v = np.sort(np.r_[rng.normal(0, 1e3, 20000), rng.lognormal(0, 8, 20000),
+                      -rng.lognormal(0, 8, 2000), [0.0, -0.0, 1e-300, -1e-300, 1e300,
+                                                    -1e300, 2.0 ** -20, 2.0 ** 60]])
+    b = S._value_bucket(v)
+    assert (np.diff(b) >= 0).all()
+    assert (b[v < 0] < b[v >= 0].min()).all()
+    assert b.max() - b.min() < 2 * (S._VALUE_CEIL + 1)  # a dense histogram stays narrow

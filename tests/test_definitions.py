@@ -127,3 +127,20 @@ def test_a_request_sent_without_streaming_is_judged_on_e2e_not_on_ttft():
     assert np.asarray(got.data).tolist() == [True, False, False, False]
     arrow = D.evaluate_arrow(as_table(records), ["slo_met"], slo)["slo_met"].to_pylist()
     assert arrow == [True, False, False, False]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(-10**12, 10**12), max_size=7), st.booleans()),
+                max_size=30), st.integers(0, 3))
+def test_gaps_of_kept_rows_are_their_own_diffs(rows, lead):
+    """``expr.gaps`` on the flat buffer (offsets not starting at 0 too) equals each kept
+    row's own consecutive differences, a dropped row giving none."""
+    from kvbench.reports.measures import expr as X
+
+    flat = [0] * lead + [v for vals, _ in rows for v in vals]
+    offsets = np.cumsum([lead] + [len(vals) for vals, _ in rows]).astype(np.int64)
+    keep = np.asarray([k for _, k in rows], bool)
+    got = X.gaps(np.asarray(flat, np.int64), offsets, keep, block=5)
+    for i, (vals, k) in enumerate(rows):
+        want = np.diff(np.asarray(vals, np.int64)) if k and len(vals) > 1 else []
+        assert got.values[got.offsets[i]:got.offsets[i + 1]].tolist() == list(want)

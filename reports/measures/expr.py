@@ -305,11 +305,12 @@ def gaps(values: np.ndarray, offsets: np.ndarray, keep: np.ndarray | None = None
     keep_flat[last[last < len(keep_flat)]] = False
     if keep is not None and not np.all(keep):
         drop = ~np.asarray(keep, bool) & (lens > 1)
-        starts = ends - lens
-        size = len(keep_flat) + 1
-        mark = (np.bincount(starts[drop], minlength=size)
-                - np.bincount(ends[drop] - 1, minlength=size))
-        keep_flat &= np.cumsum(mark)[:-1] == 0
+        # the diffs inside a dropped row, start .. start + len - 2 (its last is a row's last):
+        # indexed directly, so the work is the dropped rows' values, not the whole buffer's
+        starts, inner = (ends - lens)[drop], lens[drop] - 1
+        if len(starts):
+            first = np.cumsum(inner) - inner
+            keep_flat[np.arange(int(inner.sum())) + np.repeat(starts - first, inner)] = False
         n_gaps = np.where(drop, 0, n_gaps)
     new_offsets = np.zeros(len(lens) + 1, np.int64)
     np.cumsum(n_gaps, out=new_offsets[1:])

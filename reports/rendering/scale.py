@@ -76,34 +76,57 @@ def wanted(paths: Sequence[Path], limit: int | None = None) -> bool:
 class Sampler:
     """A seeded uniform sample of about ``limit`` of a run's ``n`` requests, drawn batch by
     batch as ``columnar.aggregate``'s first ITL pass reads them (``on_batch``): the chunk
-    lists are decoded once for both. Holds ``COLUMNS`` of the rows it keeps."""
+    lists are decoded once for both. That pass reads only what ITL needs (``PASS``, the
+    list among them), so the sample's other ``COLUMNS`` are read afterwards in large batches
+    (``table``: a per-batch read of 30 scalar columns cost more than the list itself)."""
 
     # what the report reads of a request: the frame's columns, the request id (the record
     # checks, the server traces' join), the chunk offsets (ITL) and the server's request id
     COLUMNS = None  # set below from the frame's
+    PASS = None  # those the ITL pass reads anyway: taken from its batches
 
     def __init__(self, limit: int, n: int, seed: int = SAMPLE_SEED):
         self.p = limit / max(n, 1)
         self.rng = np.random.default_rng(seed)
         self.parts: list = []
-        self.n, self.m = n, 0
+        self.rows: list[np.ndarray] = []  # the sampled rows' positions in the run
+        self.n, self.m, self.seen = n, 0, 0
 
     def __call__(self, batch) -> None:
         import pyarrow as pa
 
+        # one uniform draw per row in file order: the same rows whatever the batches' size
         rows = np.flatnonzero(self.rng.random(batch.num_rows) < self.p)
         if len(rows):
-            self.parts.append(batch.select(self.COLUMNS).take(pa.array(rows)))
+            self.parts.append(batch.select(self.PASS).take(pa.array(rows)))
+            self.rows.append(rows + self.seen)
             self.m += len(rows)
+        self.seen += batch.num_rows
 
-    def table(self):
-        """The sample as a table of the ``REQUESTS`` schema (columns not read: nulls)."""
+    def table(self, run_dir: Path):
+        """The sample as a table of the ``REQUESTS`` schema (columns not read: nulls); the
+        columns the ITL pass did not read come from ``run_dir`` now, row for row."""
         import pyarrow as pa
 
         from kvbench.core.schema import REQUESTS
+        from kvbench.reports.statistics.columnar import record_batches
 
         got = pa.Table.from_batches(self.parts) if self.parts else None
         self.parts = []
+        rest = [c for c in self.COLUMNS if c not in self.PASS]
+        if got is not None and rest:
+            want = np.concatenate(self.rows)
+            taken, start = [], 0
+            for batch in record_batches(run_dir, rest):
+                lo, hi = np.searchsorted(want, [start, start + batch.num_rows])
+                if hi > lo:
+                    taken.append(batch.take(pa.array(want[lo:hi] - start)))
+                start += batch.num_rows
+                if hi == len(want):
+                    break
+            more = pa.Table.from_batches(taken)
+            for c in rest:
+                got = got.append_column(c, more.column(c))
         cols = [got.column(f.name).cast(f.type) if got is not None and f.name in self.COLUMNS
                 else pa.nulls(self.m, f.type) for f in REQUESTS]
         return pa.Table.from_arrays(cols, schema=REQUESTS)
@@ -114,6 +137,12 @@ def _sample_columns() -> list[str]:
 
     return list(dict.fromkeys([*FRAME_COLUMNS, "request_id", "chunk_offsets_ns",
                                "server_request_id"]))
+
+
+def _pass_columns() -> list[str]:
+    from kvbench.reports.statistics.columnar import itl_columns
+
+    return [c for c in Sampler.COLUMNS if c in itl_columns()]
 
 
 def sampled_copy(run_dir: Path, into: Path, sampler: Sampler) -> tuple[Path, int, int]:
@@ -130,7 +159,7 @@ def sampled_copy(run_dir: Path, into: Path, sampler: Sampler) -> tuple[Path, int
             shutil.copytree(entry, into / entry.name)
         else:
             shutil.copy2(entry, into / entry.name)
-    pq.write_table(sampler.table(), into / "requests.parquet", compression="zstd")
+    pq.write_table(sampler.table(run_dir), into / "requests.parquet", compression="zstd")
     return into, sampler.m, sampler.n
 
 
@@ -260,7 +289,7 @@ def exact_figures(paths: Sequence[Path], labels: Sequence, slo,
         sampler = samplers[i] if samplers else None
         agg = C.aggregate(path, slo, quantiles=q, levels={
             "by_endpoint": ("endpoint",), "by_stage_only": STAGE}, on_batch=sampler,
-            batch_columns=sampler.COLUMNS if sampler else ())
+            batch_columns=sampler.PASS if sampler else (), base=False)
         figs = C.stage_figures(path, slo)
         windows = stage_windows(figs, meta.stages)
         ep_of = figs["endpoint"].astype(str)
@@ -409,3 +438,4 @@ def _positive(x: float) -> float:
 
 
 Sampler.COLUMNS = _sample_columns()
+Sampler.PASS = _pass_columns()

@@ -3,9 +3,10 @@ request_class, stage) and per (endpoint, workload), the request counts (total, o
 status, cancelled), the goodput counts (SLO judged and met) and EXACT percentiles of TTFT, TPOT,
 E2E and ITL, computed where the records lie without a row per request in memory.
 
-Over 400 lines, kept whole: the two evaluations of one two-pass selection (DuckDB for the
-per-request values, numpy streaming for ITL's pooled gaps) share its order-statistic and
-interpolation code, and the equality test holds both to the request frame at once.
+Over 400 lines, kept whole: the two evaluations of one two-pass selection (the per-request
+values DuckDB evaluates, ITL's pooled gaps numpy derives, both bucketed and selected in numpy
+as they stream) share its order-statistic and interpolation code (``columnar_select``), and the
+equality test holds both to the request frame at once.
 
 Every per-request value is ``reports.measures.definitions``' own evaluation of the same
 definition the request frame evaluates (its ``sql`` in DuckDB; for ITL its numpy ``evaluate``
@@ -20,15 +21,20 @@ which are sorted here. The bucket is monotone in the value, so the k-th value of
 the r-th of its bucket. A per-workload group's histogram is the sum of its stages' and
 classes' histograms, so both levels come from one scan.
 
-TTFT, TPOT and E2E (one value per request) run in DuckDB over the scalar columns only (a hash
-aggregate, which spills under the memory limit). ITL (~47 gaps per request: 470M at 10M
-requests) is streamed: the list column is read file by file in batches of ``ITL_BATCH``
-requests, the gaps derived by the definitions' numpy evaluation, bucketed by their float64 bit
-pattern and counted by ``bincount`` into a dense (group, bucket) matrix; pass 2 reads them again
-and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few MB: on
-this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which is what
-unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps (exact
-order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
+TTFT, TPOT, E2E and lateness (one value per request) are evaluated by DuckDB over the scalar
+columns only and handed over as Arrow batches (``_scalars``), read twice: bucketed by their
+float64 bits and counted into a dense histogram per metric, then kept where wanted (an
+aggregate of the values unpivoted in DuckDB, 60M rows at 10M requests, and a join over them
+again cost twice as much at 10M). ITL (~47 gaps per request: 470M at 10M requests) is
+streamed: the list column is read file by file in batches of ``ITL_BATCH`` requests, the gaps
+derived by the definitions' numpy evaluation, bucketed by their float64 bit pattern and
+counted by ``bincount`` into a dense (group, bucket) matrix, and spilled to an unlinked
+temporary file (4 bytes a gap: 1.9 GB at 10M, in the page cache mostly); pass 2 reads the
+spill back, not the Parquet (whose chunk lists cost more to decode than anything done with the
+gaps), and keeps those whose (group, bucket) a lookup table marks. Every temporary stays a few
+MB: on this host a 376 MB numpy temporary cost ten times its arithmetic in page faults, which
+is what unnesting the list in DuckDB (twice) cost before. ITL is over the integer ns gaps
+(exact order), then converted as the report stores them (``definitions.gap_ms32``: float32 ms).
 
 Where the run's Parquet lies is ``parquet_files`` alone: a Hive-partitioned ``requests/``
 dataset and an older run's single ``requests.parquet``. Live shards (Arrow IPC, msgpack rows) and a Parquet
@@ -56,8 +62,10 @@ from kvbench.core.contract import slo_map
 from kvbench.core.schema import REQUESTS, STATUSES
 from kvbench.core.store import read_meta, scan, shard_files, table_files
 from kvbench.reports.measures import definitions as D
+from kvbench.reports.statistics.columnar_select import (
+    _CODE, STAGE_KEYS, _gap_bucket, _Groups, _Hist, _norm, _pick, _Spill, _sum, _value_bucket,
+    _wanted, linear)
 
-STAGE_KEYS = ("endpoint", "workload", "request_class", "stage")
 WORKLOAD_KEYS = ("endpoint", "workload")
 QUANTILES = {"p50": 0.50, "p90": 0.90, "p95": 0.95, "p99": 0.99}
 # metric -> the definition giving its per-request values (ITL: the gaps, pooled)
@@ -68,8 +76,6 @@ SCALARS = tuple(m for m in LATENCIES if m != "itl")  # one value per request
 ERROR_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "cancelled"))
 COUNTS = ("requests", "ok", "errors", "cancelled", "judged", "met",
           *(f"errors_{s}" for s in ERROR_STATUSES))
-# buckets per doubling of |value| + 1: about 0.27% wide, so a bucket holds few values
-BUCKETS_PER_OCTAVE = 256
 _FLAGS = ("ok", "cancelled", "failed", "judged", "met")
 
 
@@ -88,8 +94,8 @@ class Aggregates:
     """One row per group: the keys, ``COUNTS``, and per latency ``<metric>_n`` (its sample
     size) and ``<metric>_<p>`` for each of ``QUANTILES`` (NaN where the sample is empty)."""
 
-    by_stage: pd.DataFrame  # keys STAGE_KEYS
-    by_workload: pd.DataFrame  # keys WORKLOAD_KEYS
+    by_stage: pd.DataFrame | None  # keys STAGE_KEYS (None: ``aggregate(base=False)``)
+    by_workload: pd.DataFrame | None  # keys WORKLOAD_KEYS (None likewise)
     # any further level asked of ``aggregate`` (``levels``): name -> its frame, same columns
     extra: dict[str, pd.DataFrame] = field(default_factory=dict)
 
@@ -166,23 +172,13 @@ def _records(con, run_dir: Path, columns: Sequence[str]) -> None:
     con.execute("CREATE TEMP VIEW records AS " + " UNION ALL ".join(parts))
 
 
-def _bucket(v: str) -> str:
-    """The bucket of value ``v``: monotone (non-decreasing) in the value, signed."""
-    return (f"CAST(sign(CAST({v} AS DOUBLE)) * floor(log2(abs(CAST({v} AS DOUBLE)) + 1) * "
-            f"{BUCKETS_PER_OCTAVE}) AS BIGINT)")
-
-
 def _views(con, slo: Mapping[str, object]) -> None:
-    """``req`` (the definitions per request) and ``scalar_values`` (one row per value: keys,
-    metric ``m``, value ``v``, bucket ``b``). ITL's gaps are not here: ``_itl`` streams them."""
+    """``req``: the definitions per request (flags and latencies). ITL's gaps are not here:
+    ``_itl`` streams them."""
     keys = ", ".join(STAGE_KEYS)
     flags = ", ".join(f"{D.sql(f, slo)} AS {f}" for f in _FLAGS)
     lat = ", ".join(f"{D.sql(d, slo)} AS {m}" for m, d in LATENCIES.items() if m in SCALARS)
     con.execute(f"CREATE TEMP VIEW req AS SELECT {keys}, status, {flags}, {lat} FROM records")
-    # UNPIVOT leaves out nulls: a request without the value is not in its sample
-    con.execute(f"""CREATE TEMP VIEW scalar_values AS SELECT *, {_bucket('v')} AS b FROM (
-        UNPIVOT (SELECT {keys}, {', '.join(SCALARS)} FROM req)
-        ON {', '.join(SCALARS)} INTO NAME m VALUE v)""")
 
 
 def _counts(con) -> pd.DataFrame:
@@ -196,121 +192,17 @@ def _counts(con) -> pd.DataFrame:
     return got.drop(columns="status")
 
 
-def _sum(frame: pd.DataFrame, keys: Sequence[str], cols: Sequence[str]) -> pd.DataFrame:
-    return frame.groupby(list(keys), dropna=False, sort=True)[list(cols)].sum().reset_index()
-
-
-def linear(lo: np.ndarray, hi: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """numpy's 'linear' quantile from order statistics ``floor(index)`` (``lo``) and the next
-    (``hi``) at virtual index ``index``: numpy's own arithmetic, in its dtypes."""
-    gamma = index - np.floor(index)
-    diff = hi - lo
-    out = lo + diff * gamma
-    return np.where(gamma >= 0.5, hi - diff * (1 - gamma), out)
-
-
-def _wants(hist: pd.DataFrame, keys: Sequence[str], qs: Sequence[float]) -> list[tuple]:
-    """Per group of ``keys`` and metric: (group key, metric, n, [(bucket, rank) of order
-    statistic k, of k+1] per quantile) from the bucket counts ``hist``."""
-    out = []
-    h = _sum(hist, [*keys, "m", "b"], ["n"])
-    for key, g in h.groupby([*keys, "m"], dropna=False, sort=True):
-        c = np.cumsum(g["n"].to_numpy(np.int64))
-        b = g["b"].to_numpy()
-        n = int(c[-1])
-        picks = []
-        for q in qs:
-            index = (n - 1) * np.asarray([q], np.float64)
-            k = min(int(np.floor(index[0])), n - 1)
-            pair = []
-            for kk in (k, min(k + 1, n - 1)):
-                i = int(np.searchsorted(c, kk, side="right"))
-                pair.append((int(b[i]), kk - (int(c[i - 1]) if i else 0)))
-            picks.append((index, pair))
-        out.append((key[:-1], key[-1], n, picks))
-    return out
-
-
-def _wanted(hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
-            qs: Sequence[float]) -> tuple[dict, pd.DataFrame]:
-    """The order statistics each level needs (``_wants``) and the (endpoint, m, b) buckets
-    holding them (every level's keys start with the endpoint: a bucket of an endpoint is
-    fetched for all its groups, which pass 2's per-group sort separates again)."""
-    wants = {lvl: _wants(hist, keys, qs) for lvl, keys in levels.items()}
-    w = pd.DataFrame([(key[0], m, bk) for ws in wants.values() for key, m, _, picks in ws
-                      for _, pair in picks for bk, _ in pair],
-                     columns=["endpoint", "m", "b"]).drop_duplicates()
-    return wants, w.astype({"b": np.int64})
-
-
-def _select(con, view: str, hist: pd.DataFrame, levels: Mapping[str, Sequence[str]],
-            qs: Sequence[float], convert) -> dict[str, dict]:
-    """Pass 2 over ``view``: per level, {(group key, metric): (n, [quantile values])}."""
-    wants, w = _wanted(hist, levels, qs)
-    if w.empty:
-        return {lvl: {} for lvl in levels}
-    con.register("_kvbench_wanted", w)
-    try:
-        on = " AND ".join(f"v.{c} IS NOT DISTINCT FROM w.{c}" for c in w.columns)
-        vals = con.execute(f"""SELECT {', '.join('v.' + k for k in STAGE_KEYS)}, v.m, v.b, v.v
-            FROM {view} v JOIN _kvbench_wanted w ON {on}""").fetch_df()
-    finally:
-        con.unregister("_kvbench_wanted")
-    return _pick(vals, wants, levels, convert)
-
-
-def _pick(vals: pd.DataFrame, wants: dict, levels: Mapping[str, Sequence[str]],
-          convert) -> dict[str, dict]:
-    """The quantiles from the values of the wanted buckets (``vals``: keys, m, b, v)."""
-    out: dict[str, dict] = {lvl: {} for lvl in levels}
-    for lvl, keys in levels.items():
-        groups = vals.groupby([*keys, "m", "b"], dropna=False, sort=False).indices
-        values = vals["v"].to_numpy()
-        cache: dict = {}
-
-        def bucket(key: tuple, m: str, bk: int):
-            got = cache.get((key, m, bk))
-            if got is None:
-                idx = groups[(*key, m, bk)] if keys else groups[(m, bk)]
-                got = cache[(key, m, bk)] = convert(np.sort(values[idx]))
-            return got
-
-        for key, m, n, picks in wants[lvl]:
-            res = []
-            for index, ((b0, r0), (b1, r1)) in picks:
-                lo, hi = bucket(key, m, b0)[r0:r0 + 1], bucket(key, m, b1)[r1:r1 + 1]
-                res.append(float(linear(lo, hi, index)[0]))
-            out[lvl][(key, m)] = (n, res)
-    return out
-
-
 # --------------------------------------------------------------------------- ITL, streamed
 
-ITL_BATCH = 4096  # requests per batch: ~200k gaps, so every temporary stays in the CPU cache
-# float64 mantissa bits kept in an ITL bucket: 1024 buckets per octave (0.07% wide), so pass 2
-# keeps few gaps; the histogram spans ~20 octaves of ns gaps: ~20k buckets per group
-_MANTISSA_KEPT = 10
-_CODE = 1 << 32  # (group, bucket) as one int64: group * _CODE + bucket (|bucket| < 2**31)
-
-
-def _gap_bucket(v: np.ndarray) -> np.ndarray:
-    """A bucket per int64 gap, monotone (non-decreasing) in the value: the float64's exponent
-    and top mantissa bits (its bit pattern read as an integer is monotone in the value once a
-    negative's magnitude bits are flipped; a negative gap sorts below every other)."""
-    bits = v.astype(np.float64).view(np.int64)
-    if len(v) and v.min() < 0:
-        bits = bits ^ ((bits >> 63) & np.int64(0x7FFFFFFFFFFFFFFF))
-    bits >>= 52 - _MANTISSA_KEPT
-    return bits
-
-
+ITL_BATCH = 16_384  # requests per batch: ~800k gaps, every temporary a few MB
 def _has(files, columns: Sequence[str]) -> bool:
     """Every file holds ``columns`` (in it or as a partition key): today's schema."""
     return all(set(columns) <= set(pq.read_schema(f).names) | set(keys) for f, keys in files)
 
 
-def _itl_batches(run_dir: Path, columns: Sequence[str]):
-    """The run's records (``columns``) as Arrow batches of at most ``ITL_BATCH`` rows:
+def _itl_batches(run_dir: Path, columns: Sequence[str], rows: int = ITL_BATCH):
+    """The run's records (``columns``) as Arrow batches of at most ``rows`` rows, in the
+    same order whatever ``rows`` (``record_batches``):
     Parquet file by file (``iter_batches`` without pre-buffering: a few MB in flight, where
     the dataset scanner held a row group's pages of every column ahead), a partition key as
     a constant column; an older schema and live shards through the store's reader."""
@@ -318,128 +210,89 @@ def _itl_batches(run_dir: Path, columns: Sequence[str]):
     parts = []
     if files:
         if _has(files, columns):
-            parts.append(parquet_batches(files, columns))
+            parts.append(parquet_batches(files, columns, rows, coded=True))
         else:
             parts.append(scan(run_dir, "requests", columns, shards=False, strict=True))
     if shard_files(run_dir, "requests"):
         parts.append(scan(run_dir, "requests", columns, parquet=False, strict=True))
     for part in parts:
         for batch in part:
-            for s in range(0, batch.num_rows, ITL_BATCH):
-                yield batch.slice(s, ITL_BATCH)
+            for s in range(0, batch.num_rows, rows):
+                yield batch.slice(s, rows)
 
 
-def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH):
+def record_batches(run_dir: Path, columns: Sequence[str], rows: int = 131_072):
+    """The run's records (``columns``), in the order ``aggregate``'s ITL pass (and its
+    ``on_batch``) meets them, in batches of at most ``rows``: a second read of columns that
+    pass does not need, row for row."""
+    return _itl_batches(Path(run_dir), columns, rows)
+
+
+_CODED = frozenset({"endpoint", "workload", "request_class", "status"})
+
+
+def parquet_batches(files, columns: Sequence[str], batch_size: int = ITL_BATCH,
+                    coded: bool = False):
     """``columns`` of ``files`` (``parquet_files``) in batches, file by file, a partition key
-    as a constant column of its ``REQUESTS`` type."""
+    as a constant column of its ``REQUESTS`` type; ``coded``: the group keys and the status
+    (``_CODED``) as dictionary arrays where a file holds them."""
     for f, keys in files:
         own = [c for c in columns if c not in keys]
-        for b in pq.ParquetFile(f, pre_buffer=False).iter_batches(batch_size=batch_size,
-                                                                   columns=own):
+        # the group keys and the status as dictionaries, as Parquet holds them (what the
+        # group numbering and the definitions encode them into): no string per row
+        dicts = [c for c in own if c in _CODED] if coded else []
+        for b in pq.ParquetFile(f, pre_buffer=False, read_dictionary=dicts).iter_batches(
+                batch_size=batch_size, columns=own):
             yield pa.RecordBatch.from_arrays(
                 [b.column(c) if c not in keys else
                  pa.array([keys[c]] * b.num_rows).cast(REQUESTS.field(c).type)
                  for c in columns], names=list(columns))
 
 
-def _norm(v):
-    """A key as the counts frame holds it (None for null)."""
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-
-class _Groups:
-    """Stage-level groups (``STAGE_KEYS``) numbered as they are met."""
-
-    def __init__(self) -> None:
-        self.ids: dict[tuple, int] = {}
-        self.keys: list[tuple] = []
-
-    def of(self, batch) -> np.ndarray:
-        """The group number of each row of ``batch``."""
-        import pyarrow.compute as pc
-
-        combo = np.zeros(batch.num_rows, np.int64)
-        dicts = []
-        for k in STAGE_KEYS:
-            enc = pc.dictionary_encode(batch.column(k))
-            values = enc.dictionary.to_pylist()
-            codes = pc.fill_null(enc.indices, len(values)).to_numpy(zero_copy_only=False)
-            combo = combo * (len(values) + 1) + codes
-            dicts.append([*values, None])
-        uniq, inv = np.unique(combo, return_inverse=True)
-        lut = np.empty(len(uniq), np.int64)
-        for i, c in enumerate(uniq.tolist()):
-            key = []
-            for d in reversed(dicts):
-                c, r = divmod(c, len(d))
-                key.append(_norm(d[r]))
-            key = tuple(reversed(key))
-            g = self.ids.get(key)
-            if g is None:
-                g = self.ids[key] = len(self.keys)
-                self.keys.append(key)
-            lut[i] = g
-        return lut[inv.reshape(-1)]
-
-
-def _gaps(batch, groups: _Groups) -> tuple[np.ndarray, np.ndarray]:
-    """(group number, ns gap) of every ITL gap of ``batch``: ``definitions``' own gaps."""
+def _row_gaps(batch, groups: _Groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(group number of each row, gaps of each row, ns gaps) of ``batch``: ``definitions``'
+    own gaps, in row order."""
     got = D.evaluate(["itl_gaps_ns"], D.from_arrow(batch, D.inputs(["itl_gaps_ns"])),
                      n=batch.num_rows)["itl_gaps_ns"]
     per_row = np.diff(got.offsets)
     if not len(got.values):
-        return np.zeros(0, np.int64), got.values
-    return np.repeat(groups.of(batch), per_row), got.values
+        return np.zeros(0, np.int64), per_row, got.values
+    return groups.of(batch), per_row, got.values
 
 
-class _Hist:
-    """Counts per (group, bucket): a dense matrix over the buckets met so far."""
-
-    def __init__(self) -> None:
-        self.base, self.counts = 0, np.zeros((0, 0), np.int64)
-
-    def add(self, g: np.ndarray, b: np.ndarray) -> None:
-        lo, hi = int(b.min()), int(b.max())
-        rows = max(int(g.max()) + 1, self.counts.shape[0])
-        if self.counts.size == 0:
-            self.base, self.counts = lo, np.zeros((rows, hi - lo + 1), np.int64)
-        base = min(self.base, lo)
-        width = max(self.base + self.counts.shape[1], hi + 1) - base
-        if (rows, width) != self.counts.shape or base != self.base:
-            grown = np.zeros((rows, width), np.int64)
-            r, c = self.counts.shape
-            grown[:r, self.base - base:self.base - base + c] = self.counts
-            self.base, self.counts = base, grown
-        width = hi - lo + 1
-        n = np.bincount(g * width + (b - lo), minlength=rows * width).reshape(rows, width)
-        self.counts[:, lo - self.base:lo - self.base + width] += n
-
-    def frame(self, groups: _Groups) -> pd.DataFrame:
-        gi, bi = np.nonzero(self.counts)
-        keys = [groups.keys[i] for i in gi.tolist()]
-        f = pd.DataFrame(keys, columns=list(STAGE_KEYS)) if keys else pd.DataFrame(
-            columns=list(STAGE_KEYS))
-        f["m"] = "itl"
-        f["b"] = (bi + self.base).astype(np.int64)
-        f["n"] = self.counts[gi, bi]
-        return f
+def itl_columns() -> list[str]:
+    """The record columns ``aggregate``'s ITL passes read (the group keys, the gaps' inputs)."""
+    return list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
 
 
 def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
-         qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = ()
-         ) -> dict[str, dict]:
+         qs: Sequence[float], on_batch=None, batch_columns: Sequence[str] = (),
+         temp_directory: str | None = None) -> dict[str, dict]:
     """ITL's exact quantiles per level by two streamed passes over the gaps (numpy on
     small batches: no list is unnested into a table, no temporary outgrows the cache):
-    pass 1 counts gaps per (group, bucket); pass 2 keeps the gaps of the wanted buckets."""
-    columns = list(dict.fromkeys([*STAGE_KEYS, *D.inputs(["itl_gaps_ns"])]))
+    pass 1 decodes the chunk lists, counts gaps per (group, bucket) and spills the gaps
+    (``_Spill``, in ``temp_directory``); pass 2 reads the spill back and keeps the gaps of
+    the wanted buckets."""
+    columns = itl_columns()
     groups, hist = _Groups(), _Hist()
-    first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
-    for batch in _itl_batches(run_dir, first):
-        if on_batch is not None:
-            on_batch(batch)
-        g, v = _gaps(batch, groups)
-        if len(v):
-            hist.add(g, _gap_bucket(v))
+    spill = _Spill(temp_directory)
+    try:
+        first = list(dict.fromkeys([*columns, *batch_columns])) if on_batch else columns
+        for batch in _itl_batches(run_dir, first):
+            if on_batch is not None:
+                on_batch(batch)
+            rows, per_row, v = _row_gaps(batch, groups)
+            if len(v):
+                hist.add(np.repeat(rows, per_row), _gap_bucket(v))
+                spill.write(rows, per_row, v)
+        return _itl_select(hist, groups, levels, qs, spill)
+    finally:
+        spill.close()
+
+
+def _itl_select(hist: _Hist, groups: _Groups, levels: Mapping[str, Sequence[str]],
+                qs: Sequence[float], spill: _Spill) -> dict[str, dict]:
+    """ITL's pass 2, over the gaps ``spill`` holds, and the quantiles from its values."""
     h = hist.frame(groups)
     if not len(h):
         return {lvl: {} for lvl in levels}
@@ -453,10 +306,8 @@ def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
             if key[0] == e:
                 keep[i, b - hist.base] = True
     got_g, got_b, got_v = [], [], []
-    for batch in _itl_batches(run_dir, columns):
-        g, v = _gaps(batch, groups)
-        if not len(v):
-            continue
+    buckets = np.flatnonzero(keep.any(axis=0)) + hist.base
+    for g, v in spill.read(_Spill.grains(buckets)):
         b = _gap_bucket(v)
         mask = keep[g, b - hist.base]  # pass 1 met every (group, bucket) of these gaps
         if mask.any():
@@ -494,6 +345,65 @@ def _itl(run_dir: Path, levels: Mapping[str, Sequence[str]],
     return out
 
 
+SCALAR_BATCH = 131_072  # requests per batch of the per-request values DuckDB hands over
+def _scalars(con, levels: Mapping[str, Sequence[str]], qs: Sequence[float]
+             ) -> dict[str, dict]:
+    """The per-request latencies' quantiles per level (``_select``'s result) by the same
+    two-pass selection, DuckDB evaluating the values (view ``req``: the definitions' SQL)
+    and numpy bucketing them: pass 1 counts values per (stage group, bucket) into a dense
+    histogram per metric as DuckDB's batches stream out, pass 2 streams them again and keeps
+    those in the wanted buckets. (A DuckDB aggregate over the values unpivoted, 60M rows
+    at 10M requests, and a join over them again cost several times this.)"""
+    query = f"SELECT {', '.join(STAGE_KEYS)}, {', '.join(SCALARS)} FROM req"
+
+    def batches():
+        reader = con.sql(query).to_arrow_reader(SCALAR_BATCH)
+        for batch in reader:
+            g = groups.of(batch)
+            for m in SCALARS:
+                col = batch.column(m)
+                v = col.to_numpy(zero_copy_only=False).astype(np.float64)
+                ok = ~np.isnan(v)
+                if col.null_count:
+                    ok &= col.is_valid().to_numpy(zero_copy_only=False)
+                if ok.all():
+                    yield m, g, v
+                elif ok.any():
+                    yield m, g[ok], v[ok]
+
+    groups = _Groups()
+    hists = {m: _Hist() for m in SCALARS}
+    for m, g, v in batches():
+        hists[m].add(g, _value_bucket(v))
+    frames = [hists[m].frame(groups, m) for m in SCALARS if hists[m].counts.size]
+    if not frames:
+        return {lvl: {} for lvl in levels}
+    wants, w = _wanted(pd.concat(frames, ignore_index=True), levels, qs)
+    keep = {}
+    for m in SCALARS:
+        h = hists[m]
+        keep[m] = np.zeros((len(groups.keys), h.counts.shape[1]), bool)
+        for e, b in zip(w.loc[w["m"] == m, "endpoint"].map(_norm), w.loc[w["m"] == m, "b"]):
+            for i, key in enumerate(groups.keys):
+                if key[0] == e and 0 <= b - h.base < h.counts.shape[1]:
+                    keep[m][i, b - h.base] = True
+    got: list[pd.DataFrame] = []
+    for m, g, v in batches():  # the groups met in pass 1, the same buckets
+        h = hists[m]
+        b = _value_bucket(v)
+        mask = keep[m][g, b - h.base]
+        if mask.any():
+            part = pd.DataFrame({"_g": g[mask], "b": b[mask], "v": v[mask]})
+            part["m"] = m
+            got.append(part)
+    if not got:
+        return {lvl: {} for lvl in levels}
+    vals = pd.concat(got, ignore_index=True)
+    keys = pd.DataFrame(groups.keys, columns=list(STAGE_KEYS)).iloc[vals["_g"].to_numpy()]
+    vals = pd.concat([keys.reset_index(drop=True), vals.drop(columns="_g")], axis=1)
+    return _pick(vals, wants, levels, _f64)
+
+
 def _ms32(v: np.ndarray) -> np.ndarray:
     return D.gap_ms32(v.astype(np.int64)).astype(np.float32)
 
@@ -506,7 +416,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
               quantiles: Mapping[str, float] = QUANTILES,
               settings: Settings = Settings(),
               levels: Mapping[str, Sequence[str]] | None = None,
-              on_batch=None, batch_columns: Sequence[str] = ()) -> Aggregates:
+              on_batch=None, batch_columns: Sequence[str] = (),
+              base: bool = True) -> Aggregates:
     """The counts and exact latency percentiles of the run in ``run_dir`` (``Aggregates``).
 
     ``slo``: {class: SLO or its dict}; None takes the run's own (run.json's config).
@@ -514,7 +425,9 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
     first), returned in ``Aggregates.extra``. ``on_batch``: called with each batch of the
     records (in file order, ``batch_columns`` among its columns) as the first ITL pass reads
     them, so that a caller takes what it needs of every request (a seeded sample: the
-    report's ``scale``) without decoding the chunk lists once more."""
+    report's ``scale``) without decoding the chunk lists once more. ``base=False``: only
+    ``levels``' groups (``by_stage`` and ``by_workload`` None), whose percentiles cost a
+    selection of their own (the report's Summary reads neither)."""
     run_dir = Path(run_dir)
     if slo is None:
         slo = read_meta(run_dir).slo
@@ -528,16 +441,13 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
         _records(con, run_dir, columns)
         _views(con, slo)
         counts = _counts(con)
-        levels = {"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS, **{
-            name: tuple(keys) for name, keys in (levels or {}).items()}}
+        levels = {**({"by_stage": STAGE_KEYS, "by_workload": WORKLOAD_KEYS} if base else {}),
+                  **{name: tuple(keys) for name, keys in (levels or {}).items()}}
         qs = list(quantiles.values())
         picked: dict[str, dict] = {lvl: {} for lvl in levels}
-        hist = con.execute(f"SELECT {', '.join(STAGE_KEYS)}, m, b, count(*) AS n "
-                           "FROM scalar_values GROUP BY ALL").fetch_df()
-        if len(hist):
-            for lvl, got in _select(con, "scalar_values", hist, levels, qs, _f64).items():
-                picked[lvl].update(got)
-        for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns).items():
+        for lvl, got in _scalars(con, levels, qs).items():
+            picked[lvl].update(got)
+        for lvl, got in _itl(run_dir, levels, qs, on_batch, batch_columns, tmp).items():
             picked[lvl].update(got)
     finally:
         con.close()
@@ -558,7 +468,8 @@ def aggregate(run_dir: Path | str, slo: Mapping | None = None, *,
             for p in quantiles:
                 f[f"{m}_{p}"] = np.asarray(cols[p], np.float64)
         frames[lvl] = f
-    return Aggregates(by_stage=frames.pop("by_stage"), by_workload=frames.pop("by_workload"),
+    return Aggregates(by_stage=frames.pop("by_stage", None),
+                      by_workload=frames.pop("by_workload", None),
                       extra=frames)
 
 
