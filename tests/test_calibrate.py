@@ -4,10 +4,14 @@ against a built-in endpoint with non-default options."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import tomllib
+import urllib.request
 from collections import OrderedDict
 from pathlib import Path
 
@@ -275,6 +279,68 @@ def test_real_calibrate_run_recovers_prefill_rate_and_kv_capacity(tmp_path):
     assert tw["kv_capacity_tokens"]["status"] == "metrics"
     assert tw["kv_capacity_tokens"]["value"] == 100000
     shutil.rmtree(tmp_path / "results", ignore_errors=True)
+
+
+def _neighbour(url: str, stop: threading.Event, sent: list) -> None:
+    """Someone else's traffic on the shared endpoint: 64-token answers, one after another."""
+    i = 0
+    while not stop.is_set():
+        body = json.dumps({"model": "kvbench-llama-3-70b", "max_tokens": 64,
+                           "prompt": f"another team's request {i} " * 30}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                sent.append(json.loads(resp.read())["usage"]["completion_tokens"])
+        except OSError:
+            return
+        i += 1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared"])
+def test_calibrating_a_shared_endpoint_says_the_fit_is_unreliable(tmp_path, shared):
+    """Proof 4 on the real path: the calibration stages against a running `kvbench serve`
+    (an openai endpoint whose /metrics kvbench scrapes) while, in the shared case, another
+    client sends its own requests to it. The engine's generation counter then exceeds what
+    the run received, and `kvbench calibrate` says the fit is unreliable; alone, it does not."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench", "serve", "--topology",
+                             "colocated", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stop, got = threading.Event(), []
+    neighbour = None
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("kvbench serve: listening on http://"), line
+        url = line.split(" on ")[1].split(" ")[0]
+        text = (ROOT / "bench.toml").read_text()
+        text = text.replace('results_dir = "results"',
+                            f'results_dir = "{tmp_path / "results"}"')
+        text += (f'\n[[endpoints]]\nname = "shared"\nkind = "openai"\nurl = "{url}"\n'
+                 'model = "kvbench-llama-3-70b"\n' + SHORT)
+        (tmp_path / "bench.toml").write_text(text)
+        if shared:
+            neighbour = threading.Thread(target=_neighbour, args=(url, stop, got), daemon=True)
+            neighbour.start()
+        kv = [sys.executable, "-m", "kvbench"]
+        subprocess.run(kv + ["run", "--config", str(tmp_path / "bench.toml"), "--profile",
+                             "calibrate_short", "--endpoint", "shared", "--run-id", "cal"],
+                       cwd=tmp_path, check=True, timeout=600, capture_output=True)
+    finally:
+        stop.set()
+        if neighbour is not None:
+            neighbour.join(60)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+    out = subprocess.run(kv + ["calibrate", str(tmp_path / "results" / "cal"), "--endpoint",
+                               "shared", "-o", str(tmp_path / "twin.toml")],
+                         cwd=tmp_path, timeout=120, capture_output=True, text=True)
+    said = out.stdout + out.stderr
+    if shared:
+        assert sum(got) >= 64 * 5  # the neighbour's load was served while the run went on
+        assert "unreliable" in said and "did not send shared the endpoint" in said, said
+    else:
+        assert out.returncode == 0, said
+        assert "unreliable" not in said, said
 
 
 def test_calibrate_profile_stages_name_their_workloads():
