@@ -227,14 +227,15 @@ def write_config(work: Path, url: str, a, rates=()) -> Path:
     return cfg
 
 
-def judge(run_dir: Path, slo: dict, warmup_s: float, seconds: float) -> dict:
+def judge(run_dir: Path, slo: dict, warmup_s: float, seconds: float,
+          cls: str = "rag") -> dict:
     """Attainment of the requests sent in [warmup_s, seconds) of a fixed-rate run: ok, TTFT
     (from when the request was due, so the client's lateness counts) and TPOT within the SLO.
     A request the run cut at its end counts as a miss."""
     from kvbench.core.store import load_results
 
     t = load_results(run_dir).requests.to_pandas()
-    t = t[t["request_class"] == "rag"]
+    t = t[t["request_class"] == cls]
     t0 = t["t_scheduled"].min()
     at = (t["t_scheduled"] - t0) / 1e9
     t = t[(at >= warmup_s) & (at < seconds)]
@@ -283,6 +284,8 @@ def main() -> int:
     ap.add_argument("--rates", default=None,
                     help="comma-separated rates to sweep (default: 0.6, 0.8, 1.0, 1.25, 1.6 x "
                          "the prediction)")
+    ap.add_argument("--max-rates", type=int, default=8,
+                    help="rates beyond the planned ones while none passed or none failed")
     ap.add_argument("--no-sweep", action="store_true", help="calibrate and predict only")
     ap.add_argument("--precision", default="0.02")
     a = ap.parse_args()
@@ -316,9 +319,11 @@ def main() -> int:
         if not a.no_sweep and cap:
             rates = ([float(x) for x in a.rates.split(",")] if a.rates else
                      [round(cap * f, 2) for f in (0.6, 0.8, 1.0, 1.25, 1.6)])
-            cfg = write_config(work, url, a, rates)
             slo = {"ttft_ms": a.ttft_ms, "tpot_ms": a.tpot_ms}
-            for i, r in enumerate(rates):
+            i = 0
+            while i < len(rates):
+                r = rates[i]
+                cfg = write_config(work, url, a, rates)
                 rid = f"rate-{i}-{r:g}"
                 sh(["run", "--config", cfg, "--profile", f"rate_{i}", "--endpoint", "vllm",
                     "--workload", "ragdoc", "--run-id", rid], work)
@@ -329,6 +334,13 @@ def main() -> int:
                 print(f"  rate {r:g}: attainment {j['attainment']:.3f} ({j['n']} requests), "
                       f"TTFT p50/p99 {j['ttft_p50']:.0f}/{j['ttft_p99']:.0f} ms, TPOT p50/p99 "
                       f"{j['tpot_p50']:.1f}/{j['tpot_p99']:.1f} ms", file=sys.stderr)
+                i += 1
+                if i == len(rates) and len(rates) < a.max_rates:  # not bracketed: go on
+                    att = {x["rate"]: x["attainment"] for x in rows}
+                    if min(att.values()) >= 0.95:
+                        rates.append(round(max(att) * 1.4, 2))
+                    elif att[min(att)] < 0.95:
+                        rates.append(round(min(att) / 1.5, 2))
         (work / "sweep.json").write_text(json.dumps(rows, indent=1))
     finally:
         stop(proc)

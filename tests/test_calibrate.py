@@ -28,21 +28,23 @@ TRUE = dict(prefill_tok_per_ms=31.0, frontend_us_per_prompt_token=3.0, hbm_gb_s=
 
 
 class Synth:
-    """Records from the step model: step = max(tokens / rate, a + b * kv)."""
+    """Records from the step model: step = max(tokens / rate, a + b * kv) + c * sequences
+    (``c``: ``step_us_per_seq``, 0 unless given)."""
 
     def __init__(self, p: dict):
         self.rate = p["prefill_tok_per_ms"]
         self.f = p["frontend_us_per_prompt_token"] / 1e3
         self.a = W / (p["hbm_gb_s"] * 1e9) * 1e3
         self.b = p["kv_bytes_per_token"] / (p["hbm_gb_s"] * 1e9) * 1e3
+        self.c = p.get("step_us_per_seq", 0.0) / 1e3
         self.p = p
         self.rows: list[dict] = []
         self.keys: dict = {}
         self.t = 0.0  # ms
         self.rng = np.random.default_rng(1)
 
-    def step(self, tokens, kv):
-        return max(tokens / self.rate, self.a + self.b * kv)
+    def step(self, tokens, kv, seqs=1):
+        return max(tokens / self.rate, self.a + self.b * kv) + self.c * seqs
 
     def add(self, start, ttft, offs, P, O, cached=0, shared=0, session=None):
         i = len(self.rows)
@@ -80,8 +82,8 @@ class Synth:
             for g in range(0, users, m):
                 n = min(m, users - g)
                 ttft0 = (queue_end - t0) + 1.0 + self.f * P + self.step(n * (P - cached),
-                                                                        n * P)
-                tpot = self.a + self.b * n * (P + O / 2)
+                                                                        n * P, n)
+                tpot = self.a + self.b * n * (P + O / 2) + self.c * n
                 for _k in range(n):
                     ttft = ttft0 + self.jitter()
                     offs = [ttft + k * tpot for k in range(O)]
@@ -92,7 +94,7 @@ class Synth:
     def mixed(self, decodes=6, P_long=12000, O=64):
         """Decodes whose steps a long prompt's chunks stretch (budget-sized chunks)."""
         t0 = self.t
-        tpot = self.a + self.b * decodes * (64 + O / 2)
+        tpot = self.a + self.b * decodes * (64 + O / 2) + self.c * decodes
         full = self.p["step_token_budget"] / self.rate
         for _d in range(decodes):
             gaps = [tpot] * (O - 1)
@@ -159,6 +161,38 @@ def test_fit_recovers_synthetic_parameters_within_10pct():
         assert got.status == "fit", (name, got)
         assert abs(got.value - want) <= 0.10 * want, (name, got.value, want)
         assert got.stderr >= 0
+
+
+def test_per_sequence_step_term_is_fitted_where_the_records_show_one():
+    """A CPU engine of a tiny model: each sequence in a step costs more host time than its KV
+    reads (here 400 us against 0.1 ms of KV for 24 short decodes). The decodes of short and
+    of 2K-token contexts separate the per-sequence term from the KV slope; without it the KV
+    slope absorbs it and a workload of long contexts is predicted far too slow."""
+    p = dict(TRUE, step_us_per_seq=400.0)
+    recs, keys = synthetic(p)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
+    got = fit.params["step_us_per_seq"]
+    assert got.status == "fit" and abs(got.value - 400.0) <= 40.0, got
+    for name in ("hbm_gb_s", "kv_bytes_per_token", "prefill_tok_per_ms"):
+        assert abs(fit.params[name].value - p[name]) <= 0.10 * p[name], (name, fit.params[name])
+    assert any("step_us_per_seq" in n for n in fit.notes)
+    # the GPU model's records show none: the two-term fit stands, no option is added
+    assert "step_us_per_seq" not in C.fit(synthetic(TRUE)[0], None, "ep").params
+
+
+def test_per_sequence_step_term_slows_each_step_of_the_emulator():
+    """The option the fit writes: a step of n sequences takes n x step_us_per_seq longer."""
+    from kvbench.runs import virtual
+
+    reqs = [("chat", 64, [], 32)] * 8
+    base = {"replicas": 1, "kv_capacity_tokens": 100_000}
+    tpot = {}
+    for c in (0.0, 2000.0):
+        rows = virtual.run_rate("colocated", {**base, "step_us_per_seq": c}, reqs, 200.0, 0.04,
+                                seed=1)
+        tpot[c] = float(np.nanmedian([r["tpot_ms"] for r in rows]))
+    # 8 requests arriving in 40 ms decode together: about 8 x 2 ms more per step
+    assert 10.0 <= tpot[2000.0] - tpot[0.0] <= 17.0, tpot
 
 
 def test_limit_that_never_binds_is_a_bound():

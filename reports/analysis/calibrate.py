@@ -12,7 +12,9 @@ bytes per token / HBM bandwidth), a request's first token comes after the front 
 
 * decode floor ``a`` and KV slope ``b``: TPOT of requests with long outputs against the KV
   tokens in flight beside them (time-weighted), least squares; requests that shared steps with
-  a long uncached prompt (over ``PREFILL_INTRUSION_TOKENS``) are left out;
+  a long uncached prompt (over ``PREFILL_INTRUSION_TOKENS``) are left out; with a third term,
+  ``c`` per sequence in the step (``step_us_per_seq``), where the run shows one (a CPU
+  engine: decodes of short and long contexts separate it from the KV slope);
 * front end ``f`` and prefill rate: TTFT of requests that ran alone (no other request in
   flight), cold and cached, least squares on the step model (iterated: which chunks are
   compute- or memory-bound); without cached prompts only ``f + 1/rate`` is identified (both
@@ -39,6 +41,7 @@ from kvbench.reports.analysis import engine_counters
 PREFILL_INTRUSION_TOKENS = 256  # an uncached prompt this short stays under the decode floor
 LONG_PROMPT_TOKENS = 2048  # a prompt this long in a decode's steps marks a budget probe
 MIN_DECODE_TOKENS = 16  # outputs this long give a TPOT sample
+PER_SEQ_SHARE = 0.05  # a per-sequence step term worth less of the mean TPOT is left out
 
 # which stage of [profiles.calibrate] supplies each parameter (for the "missing" sentences)
 STAGE = {
@@ -155,8 +158,8 @@ def fit(requests: pa.Table, engine: pa.Table | None, endpoint: str, *,
         return out
     weight_bytes = pf.MODELS[model].weight_bytes(weight_dtype)
     alone = _alone(df)
-    a, b = _decode(df, out, weight_bytes)
-    _prefill(df, alone, out, a, b)
+    a, b, c = _decode(df, out, weight_bytes)
+    _prefill(df, alone, out, a, b, c)
     rate = out.params["prefill_tok_per_ms"].value if "prefill_tok_per_ms" in out.params else None
     _budget(df, out, rate, a)
     _seqs(df, out)
@@ -173,18 +176,23 @@ def _alone(df: pd.DataFrame) -> np.ndarray:
 
 
 def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
-    """TPOT = a + b * (KV tokens in the batch, time-weighted over the request's decode)."""
+    """TPOT = a + b * (KV tokens in the batch) [+ c * (sequences in the batch)], both
+    time-weighted over the request's decode. The per-sequence term ``c`` is kept only where
+    it is significant and worth at least ``PER_SEQ_SHARE`` of the mean TPOT: a CPU engine
+    of a tiny model spends more per sequence (sampling, detokenising, streaming) than on its
+    KV; on the GPU model it is absent and the two-term fit stands."""
     first, end = df["first"].to_numpy(), df["end"].to_numpy()
     O, P, U = df["O"].to_numpy(), df["P"].to_numpy(), df["U"].to_numpy()
     dec = O >= MIN_DECODE_TOKENS
     if dec.sum() < 4:
         out.missing.append("decode step time: the run has no requests with long outputs; "
                            f"it needs {STAGE['decode']}")
-        return None, None
+        return None, None, 0.0
     ov = _overlap(first, end, first, end)  # decode intervals against decode intervals
     span = np.maximum(end - first, 1e-9)
     weight = ov / span[:, None]
     x = weight @ (P + O / 2)  # time-weighted KV tokens decoding beside (and in) each request
+    xn = weight.sum(axis=1)  # time-weighted sequences decoding beside (and with) it
     # prefills inside the request's decode: another request's first token in its interval
     starts = df["start"].to_numpy()
     inside = (df["first"].to_numpy()[None, :] > first[:, None]) & \
@@ -195,20 +203,23 @@ def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
     if use.sum() < 4:
         out.missing.append("decode step time: every long-output request shared its steps "
                            "with long prefills; it needs " + STAGE["decode"])
-        return None, None
+        return None, None, 0.0
     tpot = (df["e2e"].to_numpy() - df["ttft"].to_numpy()) / (O - 1).clip(min=1)
     X = np.column_stack([np.ones(use.sum()), x[use]])
     y = tpot[use]
     if np.ptp(x[use]) < 1e-6 * max(1.0, x[use].max()):
         out.missing.append("decode step time against context: every decode ran with the same "
                            "KV in flight; it needs " + STAGE["decode"])
-        return None, None
-    # robust: one refit without points beyond 4 MADs (host stalls)
-    coef, se, res = _ls(X, y)
-    mad = np.median(np.abs(res - np.median(res))) * 1.4826 + 1e-9
-    keep = np.abs(res) <= 4 * mad
-    if keep.sum() >= 4 and keep.sum() < len(y):
-        coef, se, res = _ls(X[keep], y[keep])
+        return None, None, 0.0
+    coef, se, res, keep = _robust(X, y)
+    c, c_se = 0.0, 0.0
+    X3 = np.column_stack([X, xn[use]])
+    if len(y) >= 8 and np.linalg.matrix_rank(X3) == 3:
+        coef3, se3, res3, keep3 = _robust(X3, y)
+        c3 = float(coef3[2])
+        if (c3 > 3 * se3[2] and c3 * float(np.mean(xn[use])) >= PER_SEQ_SHARE * float(np.mean(y))
+                and coef3[0] > 0 and coef3[1] > 0):
+            coef, se, res, keep, c, c_se = coef3, se3, res3, keep3, c3, float(se3[2])
     a, b = float(coef[0]), float(coef[1])
     n = int(keep.sum())
     rms = _rms(res)
@@ -216,7 +227,7 @@ def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
         out.missing.append(f"decode step time: the fit gave a floor of {a:.3g} ms and a KV "
                            f"slope of {b:.3g} ms/token, not a memory-bound decode; it needs "
                            + STAGE["decode"] + " at two context lengths")
-        return (a if a > 0 else None), None
+        return (a if a > 0 else None), None, 0.0
     bw = weight_bytes / (a / 1e3)  # bytes/s
     se_bw = bw * se[0] / a
     kvb = b / 1e3 * bw
@@ -230,7 +241,25 @@ def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
     out.extra["decode_floor_ms"] = Param("decode_floor_ms", a, float(se[0]), "fit", "ms", n, rms)
     out.extra["decode_ms_per_kv_token"] = Param("decode_ms_per_kv_token", b, float(se[1]), "fit",
                                                 "ms", n, rms)
-    return a, b
+    if c > 0:
+        out.params["step_us_per_seq"] = Param(
+            "step_us_per_seq", c * 1e3, c_se * 1e3, "fit", "us", n, rms,
+            "per sequence in each step, beside the KV slope: host work per sequence")
+        out.notes.append(f"decode steps grow by {c * 1e3:.0f} us per sequence beyond their KV "
+                         "reads (a CPU engine's per-sequence work): fitted as step_us_per_seq")
+    return a, b, c
+
+
+def _robust(X: np.ndarray, y: np.ndarray):
+    """Least squares, then one refit without points beyond 4 MADs (host stalls)."""
+    coef, se, res = _ls(X, y)
+    mad = np.median(np.abs(res - np.median(res))) * 1.4826 + 1e-9
+    keep = np.abs(res) <= 4 * mad
+    if keep.sum() >= X.shape[1] + 2 and keep.sum() < len(y):
+        coef, se, res = _ls(X[keep], y[keep])
+    else:
+        keep = np.ones(len(y), bool)
+    return coef, se, res, keep
 
 
 def _chunks(u: float, done: float, budget: float):
@@ -241,7 +270,7 @@ def _chunks(u: float, done: float, budget: float):
         done += c
 
 
-def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
+def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0) -> None:
     """TTFT = c0 + f P + sum over chunks of max(chunk / rate, a + b ctx) for lone requests."""
     # a shared prefix that was not (wholly) found is an eviction-probe sample, not a designed
     # cold prompt: measured, such rows (one prompt length, many of them) pulled the rate 10%
@@ -253,7 +282,7 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
         out.missing.append("prefill rate: fewer than 4 requests ran alone; it needs "
                            + STAGE["prefill"])
         return
-    a = a if a is not None else 0.0
+    a = (a if a is not None else 0.0) + c  # a lone request's step: one sequence
     b = b if b is not None else 0.0
     budget = float(cm.STEP_TOKEN_BUDGET)
     P, C, U, y = (sub[k].to_numpy() for k in ("P", "C", "U", "ttft"))
