@@ -276,7 +276,8 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, default=None, help="keep config, runs and twin here")
     ap.add_argument("--url", default=None, help="a vLLM already serving (default: start one)")
     ap.add_argument("--reuse", action="store_true",
-                    help="with --keep: the twin calibrated there before, not a new run")
+                    help="with --keep: the runs made there before (the calibration run, each "
+                         "swept rate's run) instead of new ones; calibrate and predict again")
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--tpot-ms", type=float, default=50.0)
     ap.add_argument("--stage-s", type=float, default=80.0, help="seconds per swept rate")
@@ -296,17 +297,21 @@ def main() -> int:
     loads = [("start", load_now())]
     proc = None
     try:
+        def done(rid: str) -> bool:
+            return a.reuse and (work / "results" / rid / "run.json").is_file()
+
         url = a.url
-        if url is None:
+        if url is None and not (done("calib") and a.rates and all(
+                done(f"rate-{i}-{float(r):g}") for i, r in enumerate(a.rates.split(",")))):
             url, proc = start_vllm(work)
-        cfg = write_config(work, url, a)
+        cfg = write_config(work, url or "http://127.0.0.1:9", a)
         twin = work / "twin.toml"
-        if not (a.reuse and twin.exists()):
+        if not done("calib"):
             sh(["run", "--config", cfg, "--profile", "calibrate", "--endpoint", "vllm",
                 "--run-id", "calib"], work)
             loads.append(("after calibrate run", load_now()))
-            print(sh(["calibrate", work / "results" / "calib", "--endpoint", "vllm", "-o", twin],
-                     work), file=sys.stderr)
+        print(sh(["calibrate", work / "results" / "calib", "--endpoint", "vllm", "-o", twin],
+                 work), file=sys.stderr)
         pred = json.loads(sh(["predict", "--config", twin, "--slo-config", cfg, "--workload",
                               "ragdoc", "--precision", a.precision, "--seconds",
                               str(a.stage_s - a.warmup_s), "--warmup-s", str(a.warmup_s),
@@ -323,10 +328,14 @@ def main() -> int:
             i = 0
             while i < len(rates):
                 r = rates[i]
-                cfg = write_config(work, url, a, rates)
+                cfg = write_config(work, url or "http://127.0.0.1:9", a, rates)
                 rid = f"rate-{i}-{r:g}"
-                sh(["run", "--config", cfg, "--profile", f"rate_{i}", "--endpoint", "vllm",
-                    "--workload", "ragdoc", "--run-id", rid], work)
+                if not done(rid):
+                    if url is None:
+                        url, proc = start_vllm(work)
+                        cfg = write_config(work, url, a, rates)
+                    sh(["run", "--config", cfg, "--profile", f"rate_{i}", "--endpoint", "vllm",
+                        "--workload", "ragdoc", "--run-id", rid], work)
                 j = judge(work / "results" / rid, slo, a.warmup_s, a.stage_s)
                 j["rate"] = r
                 rows.append(j)
