@@ -126,18 +126,21 @@ kind = "mix"
 requests = 800
 components = [{{ workload = "calib_decode", weight = 6 }}, {{ workload = "calib_long", weight = 1 }}]
 
-# The workload predicted and measured: nothing like the calibration's shapes. 24 documents of
-# 3-6K tokens, Zipf-popular, each request one document (a shared prefix, primed) and a question,
-# a 64-token answer.
+# The workload predicted and measured: nothing like the calibration's shapes. Prompts of
+# 3.1-6.1K tokens: 16 Zipf-popular documents of 2-4K tokens (shared prefixes, primed) and a
+# question of 1-2K tokens of its own (retrieved passages, say), a 64-token answer. The unique
+# part keeps the engine, not the Python client, the bottleneck: with 50-token questions the
+# 5M-parameter model serves tens of requests a second, thousands of streamed tokens a second,
+# more than a Locust process sharing its 2 cores reads in time.
 [workloads.ragdoc]
 kind = "rag"
 api = "completions"
-requests = 3000
-documents = 24
+requests = 1500
+documents = 16
 chunks_per_document = 1
 top_k = 1
-chunk_tokens = {{ dist = "uniform", mean = 4500, min = 3000, max = 6000 }}
-question_tokens = {{ dist = "lognormal", mean = 48, sigma = 0.4, min = 8, max = 128 }}
+chunk_tokens = {{ dist = "uniform", mean = 3000, min = 2000, max = 4000 }}
+question_tokens = {{ dist = "uniform", mean = 1500, min = 1000, max = 2000 }}
 output_tokens = {{ dist = "constant", mean = 64 }}
 zipf_s = 1.1
 
@@ -178,6 +181,7 @@ def start_vllm(work: Path) -> tuple[str, subprocess.Popen]:
                     + " ".join(shlex.quote(c) for c in cmd))
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
+    favour(proc.pid)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while time.monotonic() - t0 < 300:
@@ -192,6 +196,21 @@ def start_vllm(work: Path) -> tuple[str, subprocess.Popen]:
             time.sleep(1)
     stop(proc)
     raise SystemExit(f"vLLM did not answer within 300 s; {log}")
+
+
+AUTOGROUP_NICE = [None]
+
+
+def favour(pid: int | str) -> None:
+    """Where the kernel groups CPU shares by session (sched_autogroup), a process's nice value
+    counts only inside its session: other sessions' nice-19 jobs take an equal share of the
+    cores. Raise the weight of this script's session and of vLLM's (--autogroup-nice)."""
+    if AUTOGROUP_NICE[0] is None:
+        return
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(AUTOGROUP_NICE[0]))
+    except OSError as exc:
+        print(f"autogroup nice not set for {pid}: {exc}", file=sys.stderr)
 
 
 def stop(proc: subprocess.Popen | None) -> None:
@@ -289,7 +308,12 @@ def main() -> int:
                     help="rates beyond the planned ones while none passed or none failed")
     ap.add_argument("--no-sweep", action="store_true", help="calibrate and predict only")
     ap.add_argument("--precision", default="0.02")
+    ap.add_argument("--autogroup-nice", type=int, default=None,
+                    help="give this script's session and vLLM's this autogroup nice (-10: "
+                         "ahead of other sessions' jobs; needs root)")
     a = ap.parse_args()
+    AUTOGROUP_NICE[0] = a.autogroup_nice
+    favour("self")
     assert a.stage_s - a.warmup_s >= 60, "at least 60 s judged per rate"
     work = (a.keep or Path(tempfile.mkdtemp(prefix="twin-real-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
