@@ -264,7 +264,9 @@ def judge(run_dir: Path, slo: dict, warmup_s: float, seconds: float,
     tpot = (t["e2e_ns"] - t["ttft_ns"]) / 1e6 / (n_out - 1).where(n_out > 1)
     ok = (t["status"] == "ok") & (ttft <= slo["ttft_ms"]) & ~(tpot > slo["tpot_ms"])
     span = seconds - warmup_s
-    return {"n": int(len(t)), "offered_rps": len(t) / span, "attainment": float(ok.mean()),
+    pauses = [s.get("loop_pause_max_ms") or 0.0 for f in run_dir.glob("proc-*.json")
+              for s in json.loads(f.read_text()).get("stages", [])]
+    return {"loop_pause_max_ms": max(pauses, default=float("nan")),"n": int(len(t)), "offered_rps": len(t) / span, "attainment": float(ok.mean()),
             "ttft_p50": float(np.nanmedian(ttft)), "ttft_p99": float(np.nanpercentile(ttft, 99)),
             "tpot_p50": float(np.nanmedian(tpot)), "tpot_p99": float(np.nanpercentile(tpot, 99)),
             "errors": int((t["status"] != "ok").sum()),
@@ -374,6 +376,17 @@ def main() -> int:
                         rates.append(round(max(att) * 1.4, 2))
                     elif att[min(att)] < 0.95:
                         rates.append(round(min(att) / 1.5, 2))
+        if rows:  # the twin's own latency at the measured rates, for the table
+            loads_at = ",".join(f"{r['rate'] / cap:.4f}" for r in rows)
+            at = json.loads(sh(["predict", "--config", twin, "--slo-config", cfg, "--workload",
+                                "ragdoc", "--precision", a.precision, "--seconds",
+                                str(a.stage_s - a.warmup_s), "--warmup-s", str(a.warmup_s),
+                                "--guess", str(cap), "--loads", loads_at, "--format", "json"],
+                               work))
+            for r, p in zip(rows, at["endpoints"][0]["latency"]):
+                c = p["classes"].get("rag", {})
+                r["twin"] = {"attainment": c.get("att"), "ttft_p50": c.get("ttft_p50_ms"),
+                             "tpot_p50": c.get("tpot_p50_ms")}
         (work / "sweep.json").write_text(json.dumps(rows, indent=1))
     finally:
         stop(proc)
@@ -384,10 +397,15 @@ def main() -> int:
           f"target {target}")
     print(f"twin: {twin}")
     print("| rate req/s | requests judged | attainment | TTFT p50 / p99 ms | TPOT p50 / p99 ms |"
-          "\n|---:|---:|---:|---:|---:|")
+          " client loop pause max ms | twin: attainment, TTFT p50, TPOT p50 |"
+          "\n|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        tw = r.get("twin") or {}
+        twin_s = ", ".join("-" if tw.get(k) is None else f"{tw[k]:.3g}"
+                           for k in ("attainment", "ttft_p50", "tpot_p50"))
         print(f"| {r['rate']:g} | {r['n']} | {r['attainment']:.3f} | {r['ttft_p50']:.0f} / "
-              f"{r['ttft_p99']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} |")
+              f"{r['ttft_p99']:.0f} | {r['tpot_p50']:.1f} / {r['tpot_p99']:.1f} | "
+              f"{r['loop_pause_max_ms']:.0f} | {twin_s} |")
     print(f"\npredicted capacity {cap} req/s; measured: crossing {where}: "
           f"{'-' if meas is None else f'{meas:.3g}'} req/s (highest rate passing: {passed})")
     if meas and cap:

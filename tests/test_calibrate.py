@@ -268,6 +268,20 @@ def test_twin_file_is_a_builtin_endpoint(tmp_path):
     assert abs(opts["prefill_tok_per_ms"] - TRUE["prefill_tok_per_ms"]) <= 3.1
 
 
+def test_a_twin_of_an_openai_endpoint_is_one_engine():
+    """The fit sees a real endpoint whole: its twin is one replica, not the colocated
+    topology's default (two, which doubled the predicted capacity of vLLM CPU)."""
+    from kvbench.commands.calibrate import base_options
+    from kvbench.endpoints.config import gpu_count, validate_options
+
+    base = base_options({"name": "vllm", "kind": "openai", "url": "http://x"})
+    assert base == {"replicas": 1}
+    assert gpu_count(validate_options("colocated", base))[0] == 1
+    assert gpu_count(validate_options("colocated", {}))[0] == 2  # what it was without
+    src = {"kind": "builtin", "options": {"replicas": 3, "hardware": "h100", "seed": 4}}
+    assert base_options(src) == {"replicas": 3, "hardware": "h100"}
+
+
 SHORT = """
 [profiles.calibrate_short]
 pacing = "closed"
