@@ -268,6 +268,31 @@ def test_twin_file_is_a_builtin_endpoint(tmp_path):
     assert abs(opts["prefill_tok_per_ms"] - TRUE["prefill_tok_per_ms"]) <= 3.1
 
 
+def test_prefixes_cached_in_large_blocks_still_separate_the_front_end():
+    """vLLM CPU caches whole 128-token blocks: a re-asked prefix comes back up to 127 tokens
+    short of its length. Read as a partly evicted prefix, every cached-stage request was left
+    out and the front end could not be separated; the engine's block size (its cache config)
+    is the tolerance."""
+    s = Synth(TRUE)
+    for P in np.linspace(1024, 12288, 16):
+        s.alone(int(P))
+    for P in np.linspace(1024, 12288, 10):
+        shared = int(P) - 32
+        s.alone(int(P), cached=shared // 128 * 128, shared=shared)
+    for users in (1, 4, 16, 24):
+        s.batch(users, 64, 96)
+    for users in (4, 12):
+        s.batch(users, 2048, 96, cached=1792)
+    lab = [("block_size", "128"), ("num_gpu_blocks", "16384")]
+    engine = pa.Table.from_pylist([dict(t_ns=0, endpoint="ep", metric="vllm:cache_config_info",
+                                        labels=lab, value=1.0)], schema=ENGINE)
+    fit = C.fit(s.table(), engine, "ep")
+    f = fit.params["frontend_us_per_prompt_token"]
+    assert not any("not separable" in n for n in fit.notes), fit.notes
+    assert abs(f.value - TRUE["frontend_us_per_prompt_token"]) <= 0.15 * 3.0, f
+    assert fit.params["kv_capacity_tokens"].value == 16384 * 128
+
+
 def test_a_twin_of_an_openai_endpoint_is_one_engine():
     """The fit sees a real endpoint whole: its twin is one replica, not the colocated
     topology's default (two, which doubled the predicted capacity of vLLM CPU)."""

@@ -159,11 +159,15 @@ def fit(requests: pa.Table, engine: pa.Table | None, endpoint: str, *,
     weight_bytes = pf.MODELS[model].weight_bytes(weight_dtype)
     alone = _alone(df)
     a, b, c = _decode(df, out, weight_bytes)
-    _prefill(df, alone, out, a, b, c)
+    # a prefix counts as found whole when it is within one engine block of its length (vLLM
+    # CPU caches in 128-token blocks: a 4,001-token prefix is 3,968 cached tokens)
+    geo = _kv_metrics(engine, endpoint)
+    tol = max(16, geo[0]) if geo else 16
+    _prefill(df, alone, out, a, b, c, tol)
     rate = out.params["prefill_tok_per_ms"].value if "prefill_tok_per_ms" in out.params else None
     _budget(df, out, rate, a)
     _seqs(df, out)
-    _kv(df, engine, endpoint, out, alone, prefix_keys, use_metrics)
+    _kv(df, engine, endpoint, out, alone, prefix_keys, use_metrics, tol)
     _interference(df, engine, endpoint, out)
     return out
 
@@ -270,13 +274,13 @@ def _chunks(u: float, done: float, budget: float):
         done += c
 
 
-def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0) -> None:
+def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0, tol=16) -> None:
     """TTFT = c0 + f P + sum over chunks of max(chunk / rate, a + b ctx) for lone requests."""
     # a shared prefix that was not (wholly) found is an eviction-probe sample, not a designed
     # cold prompt: measured, such rows (one prompt length, many of them) pulled the rate 10%
     # off, so the prefill fit takes cold prompts that share nothing and fully cached ones
     shared = df["shared_prefix_tokens"].fillna(0).to_numpy()
-    probe = (shared > 0) & (df["C"].to_numpy() < shared - 16)
+    probe = (shared > 0) & (df["C"].to_numpy() < shared - tol)
     sub = df[alone & ~probe]
     if len(sub) < 4:
         out.missing.append("prefill rate: fewer than 4 requests ran alone; it needs "
@@ -430,7 +434,7 @@ def _seqs(df: pd.DataFrame, out: Fit) -> None:
 
 
 def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit, alone,
-        keys: dict | None, use_metrics: bool) -> None:
+        keys: dict | None, use_metrics: bool, tol: int = 16) -> None:
     geo = _kv_metrics(engine, endpoint) if use_metrics else None
     if geo is not None:
         block, cap = geo
@@ -439,7 +443,7 @@ def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit, alon
                                                  f"cache config: {cap // block} blocks of "
                                                  f"{block} tokens")
         return
-    lower, exact, upper = _reuse(df, alone, keys)
+    lower, exact, upper = _reuse(df, alone, keys, tol)
     why = "not read from the engine's metrics" if not use_metrics else \
         "the engine's /metrics gave no cache config"
     if exact:
@@ -476,7 +480,7 @@ def block_tokens_se(n: int) -> float:
     return 16.0 / np.sqrt(max(n, 1))  # a block's rounding
 
 
-def _reuse(df: pd.DataFrame, alone, keys: dict | None):
+def _reuse(df: pd.DataFrame, alone, keys: dict | None, tol: int = 16):
     """Per re-asked prefix: its LRU stack distance D (tokens of other requests since its last
     use, each prefix counted once) and what it kept; returns lists of capacity estimates:
     lower bounds (D + cached, fully hit), exact (D + cached, partly evicted: the engine drops
@@ -524,9 +528,9 @@ def _reuse(df: pd.DataFrame, alone, keys: dict | None):
                     d += max(0.0, P[m] - shared[m]) + O[m]  # its own tail only
             c = Cc[i]
             est = d + c
-            if c >= shared[i] - 16:
+            if c >= shared[i] - tol:
                 lower.append(est)
-            elif c <= common + 16:
+            elif c <= common + tol:
                 upper.append(d + common)
             else:
                 exact.append(est)
