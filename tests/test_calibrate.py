@@ -37,6 +37,7 @@ class Synth:
         self.a = W / (p["hbm_gb_s"] * 1e9) * 1e3
         self.b = p["kv_bytes_per_token"] / (p["hbm_gb_s"] * 1e9) * 1e3
         self.c = p.get("step_us_per_seq", 0.0) / 1e3
+        self.k = p.get("prefill_ms_per_token2", 0.0)
         self.p = p
         self.rows: list[dict] = []
         self.keys: dict = {}
@@ -65,7 +66,7 @@ class Synth:
         u, done, ttft = P - cached, cached, 1.0 + self.f * P
         while u > 0:
             c = min(u, self.p["step_token_budget"])
-            ttft += self.step(c, done + c)
+            ttft += self.step(c, done + c) + self.k * ((done + c) ** 2 - done ** 2)
             u -= c
             done += c
         ttft += self.jitter()
@@ -193,6 +194,31 @@ def test_per_sequence_step_term_slows_each_step_of_the_emulator():
         tpot[c] = float(np.nanmedian([r["tpot_ms"] for r in rows]))
     # 8 requests arriving in 40 ms decode together: about 8 x 2 ms more per step
     assert 10.0 <= tpot[2000.0] - tpot[0.0] <= 17.0, tpot
+
+
+def test_quadratic_prefill_is_fitted_where_the_records_show_one():
+    """Attention over the context: on vLLM CPU the tiny model's cold 7K-token prompt spent as
+    long on it as on the rest. Fitted jointly with the rate (the linear rate alone absorbs
+    part of it, and the predicted suffix of a long cached prefix costs far too little)."""
+    p = dict(TRUE, prefill_ms_per_token2=4e-6)
+    recs, keys = synthetic(p)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
+    got = fit.params["prefill_ms_per_token2"]
+    assert abs(got.value - 4e-6) <= 0.15 * 4e-6, got
+    assert abs(fit.params["prefill_tok_per_ms"].value - 31.0) <= 0.1 * 31.0
+    assert any("prefill_ms_per_token2" in n for n in fit.notes)
+    assert "prefill_ms_per_token2" not in C.fit(synthetic(TRUE)[0], None, "ep").params
+
+
+def test_quadratic_prefill_lengthens_the_emulators_prefill_by_k_u_squared():
+    from kvbench.runs import virtual
+
+    ttft = {}
+    for k in (0.0, 1e-5):
+        opts = {"replicas": 1, "kv_capacity_tokens": 100_000, "prefill_ms_per_token2": k}
+        rows = virtual.run_rate("colocated", opts, [("chat", 6000, [], 2)], 10.0, 0.1, seed=1)
+        ttft[k] = rows[0]["ttft_ms"]
+    assert abs(ttft[1e-5] - ttft[0.0] - 1e-5 * 6000 ** 2) <= 2.0, ttft  # 360 ms
 
 
 def test_limit_that_never_binds_is_a_bound():

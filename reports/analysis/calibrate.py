@@ -42,6 +42,7 @@ PREFILL_INTRUSION_TOKENS = 256  # an uncached prompt this short stays under the 
 LONG_PROMPT_TOKENS = 2048  # a prompt this long in a decode's steps marks a budget probe
 MIN_DECODE_TOKENS = 16  # outputs this long give a TPOT sample
 PER_SEQ_SHARE = 0.05  # a per-sequence step term worth less of the mean TPOT is left out
+QUADRATIC_SHARE = 0.05  # a prefill quadratic worth less of the longest prompt's TTFT: left out
 
 # which stage of [profiles.calibrate] supplies each parameter (for the "missing" sentences)
 STAGE = {
@@ -298,6 +299,11 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0, tol=16)
                            "lengths sent alone; it needs " + STAGE["prefill"])
         return
     separable = cached.sum() >= 3 and np.ptp(P[cached]) > 0.2 * P[cached].max()
+    # attention over the context: a prompt's uncached tokens each attend to every token
+    # before them, (P^2 - done^2) token pairs; the GPU model has none, a CPU engine of a tiny
+    # model spends as much there as on the rest at a few thousand tokens
+    Q = P ** 2 - done ** 2
+    quad = False
     inv = 1 / 40.0
     for _ in range(8):  # which chunks are compute-bound depends on the rate
         comp = np.zeros(len(P))
@@ -312,6 +318,14 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0, tol=16)
         cols = [np.ones(len(P)), comp] + ([P] if separable else [])
         X = np.column_stack(cols)
         coef, se, res = _ls(X, y - mem)
+        if separable and len(P) >= 8:  # else its cross term (2 x cached x uncached) would
+            # stand in for the front end on the cached prompts
+            cq, sq, rq = _ls(np.column_stack(cols + [Q]), y - mem)
+            k = float(cq[-1])
+            quad = (k > 3 * sq[-1] and cq[1] > 0
+                    and k * Q.max() >= QUADRATIC_SHARE * float(y[np.argmax(Q)]))
+            if quad:
+                coef, se, res = cq, sq, rq
         if coef[1] <= 0:
             break
         if abs(coef[1] - inv) < 1e-6 * inv:
@@ -342,6 +356,16 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0, tol=16)
                          "cached-prefix stage): prefill_tok_per_ms holds their combination")
     out.extra["ttft_intercept_ms"] = Param("ttft_intercept_ms", float(coef[0]), float(se[0]),
                                            "fit", "ms", n, rms, "HTTP and client overhead")
+    if quad:
+        k = float(coef[-1])
+        out.params["prefill_ms_per_token2"] = Param(
+            "prefill_ms_per_token2", k, float(se[-1]), "fit", "ms/token^2", n, rms,
+            "attention: (context after - context before)^2 per prefill chunk")
+        out.notes.append(f"prefill time grows with the square of the context ({k:.3g} ms per "
+                         f"token^2: {k * 4096 ** 2:.0f} ms for a cold 4,096-token prompt beside "
+                         f"{4096 * inv:.0f} ms at the linear rate): fitted as "
+                         "prefill_ms_per_token2")
+        return
     # the quadratic term (attention over the prompt), on cold prompts only
     Uc, yc = U[cold], y[cold] - mem[cold]
     if cold.sum() >= 5:
