@@ -13,7 +13,12 @@ tiny local model of ``tests/engines``). Every step is the real CLI in a child pr
    counted into TTFT) crosses the target, interpolated between the rates around it;
 6. prints predicted against measured with the error, each rate's attainment and every command.
 
-    python bench/twin_real.py [--keep DIR] [--rates 4,6,8] [--stage-s 75] [--reuse]
+    python bench/twin_real.py [--keep DIR] [--rates 4,5,6,8,10,12.04] [--stage-s 80]
+                              [--reuse] [--url URL] [--autogroup-nice -10]
+
+The held figures came from ``--keep DIR --autogroup-nice -10`` (calibration and the first
+rates), then ``--keep DIR --reuse --url URL --rates 4,5,6,8,10,12.04 --autogroup-nice -10``
+(the bracket, the runs already made reused, the twin refitted with the code of the day).
 
 The engine: tests/engines/setup_engines.py vllm model (../shared/ENGINES.md). Figures and what
 the model does not fit: README, "Calibrate and predict: the held figures".

@@ -18,7 +18,8 @@ bytes per token / HBM bandwidth), a request's first token comes after the front 
 * front end ``f`` and prefill rate: TTFT of requests that ran alone (no other request in
   flight), cold and cached, least squares on the step model (iterated: which chunks are
   compute- or memory-bound); without cached prompts only ``f + 1/rate`` is identified (both
-  linear in prompt length) and the whole slope is charged to the rate;
+  linear in prompt length) and the whole slope is charged to the rate; with cached prompts, a
+  term quadratic in the context (``prefill_ms_per_token2``) where the run shows one;
 * step token budget: the longest inter-token gaps of decoding requests that shared steps with a
   prompt longer than the budget: a full chunk step takes ``budget / rate``;
 * max sequences: the most requests decoding at once when more were in flight (queueing onset);
