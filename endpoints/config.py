@@ -71,6 +71,14 @@ class EmulatorConfig(_Strict):
     step_token_budget: int = Field(default=cm.STEP_TOKEN_BUDGET, gt=0)
     max_num_seqs: int = Field(default=256, gt=0)
     frontend_us_per_prompt_token: float = Field(default=cm.FRONTEND_US_PER_PROMPT_TOKEN, ge=0)
+    # Host work per sequence in each step (scheduling, sampling, detokenising, streaming its
+    # token), added to the step's roofline: what a CPU engine of a tiny model spends per
+    # sequence beside its KV reads. 0 on the GPU model (there it hides under the roofline).
+    step_us_per_seq: float = Field(default=0.0, ge=0)
+    # Attention over the context during prefill: a chunk taking the context from c0 to c1
+    # tokens adds this x (c1^2 - c0^2) ms. 0 on the GPU model; a CPU engine's tiny model
+    # spends as much there as on the linear part at a few thousand tokens.
+    prefill_ms_per_token2: float = Field(default=0.0, ge=0)
     default_max_tokens: int = Field(default=256, gt=0)  # chat requests without max_tokens
     # engines of a topology of replicas; None: its module's default (kvbench.model.topologies)
     replicas: int | None = Field(default=None, gt=0, le=MAX_ENGINES)

@@ -171,6 +171,11 @@ class Engine:
                 continue
             decodes, prefills, compute_tokens, kv_tokens, load_ms = plan
             ms, compute_ms, mem_ms = self.res.step_ms(compute_tokens, kv_tokens)
+            if self.cfg.step_us_per_seq:
+                ms += (len(decodes) + len(prefills)) * self.cfg.step_us_per_seq / 1e3
+            if self.cfg.prefill_ms_per_token2:
+                ms += self.cfg.prefill_ms_per_token2 * sum(
+                    (s.computed + c) ** 2 - s.computed ** 2 for s, c in prefills)
             ms = ms * (1.0 + self.step_overhead) + load_ms
             wall = ms * scale
             now = loop.time()

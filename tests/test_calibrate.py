@@ -32,21 +32,24 @@ TRUE = dict(prefill_tok_per_ms=31.0, frontend_us_per_prompt_token=3.0, hbm_gb_s=
 
 
 class Synth:
-    """Records from the step model: step = max(tokens / rate, a + b * kv)."""
+    """Records from the step model: step = max(tokens / rate, a + b * kv) + c * sequences
+    (``c``: ``step_us_per_seq``, 0 unless given)."""
 
     def __init__(self, p: dict):
         self.rate = p["prefill_tok_per_ms"]
         self.f = p["frontend_us_per_prompt_token"] / 1e3
         self.a = W / (p["hbm_gb_s"] * 1e9) * 1e3
         self.b = p["kv_bytes_per_token"] / (p["hbm_gb_s"] * 1e9) * 1e3
+        self.c = p.get("step_us_per_seq", 0.0) / 1e3
+        self.k = p.get("prefill_ms_per_token2", 0.0)
         self.p = p
         self.rows: list[dict] = []
         self.keys: dict = {}
         self.t = 0.0  # ms
         self.rng = np.random.default_rng(1)
 
-    def step(self, tokens, kv):
-        return max(tokens / self.rate, self.a + self.b * kv)
+    def step(self, tokens, kv, seqs=1):
+        return max(tokens / self.rate, self.a + self.b * kv) + self.c * seqs
 
     def add(self, start, ttft, offs, P, O, cached=0, shared=0, session=None):
         i = len(self.rows)
@@ -67,7 +70,7 @@ class Synth:
         u, done, ttft = P - cached, cached, 1.0 + self.f * P
         while u > 0:
             c = min(u, self.p["step_token_budget"])
-            ttft += self.step(c, done + c)
+            ttft += self.step(c, done + c) + self.k * ((done + c) ** 2 - done ** 2)
             u -= c
             done += c
         ttft += self.jitter()
@@ -84,8 +87,8 @@ class Synth:
             for g in range(0, users, m):
                 n = min(m, users - g)
                 ttft0 = (queue_end - t0) + 1.0 + self.f * P + self.step(n * (P - cached),
-                                                                        n * P)
-                tpot = self.a + self.b * n * (P + O / 2)
+                                                                        n * P, n)
+                tpot = self.a + self.b * n * (P + O / 2) + self.c * n
                 for _k in range(n):
                     ttft = ttft0 + self.jitter()
                     offs = [ttft + k * tpot for k in range(O)]
@@ -96,7 +99,7 @@ class Synth:
     def mixed(self, decodes=6, P_long=12000, O=64):
         """Decodes whose steps a long prompt's chunks stretch (budget-sized chunks)."""
         t0 = self.t
-        tpot = self.a + self.b * decodes * (64 + O / 2)
+        tpot = self.a + self.b * decodes * (64 + O / 2) + self.c * decodes
         full = self.p["step_token_budget"] / self.rate
         for _d in range(decodes):
             gaps = [tpot] * (O - 1)
@@ -163,6 +166,63 @@ def test_fit_recovers_synthetic_parameters_within_10pct():
         assert got.status == "fit", (name, got)
         assert abs(got.value - want) <= 0.10 * want, (name, got.value, want)
         assert got.stderr >= 0
+
+
+def test_per_sequence_step_term_is_fitted_where_the_records_show_one():
+    """A CPU engine of a tiny model: each sequence in a step costs more host time than its KV
+    reads (here 400 us against 0.1 ms of KV for 24 short decodes). The decodes of short and
+    of 2K-token contexts separate the per-sequence term from the KV slope; without it the KV
+    slope absorbs it and a workload of long contexts is predicted far too slow."""
+    p = dict(TRUE, step_us_per_seq=400.0)
+    recs, keys = synthetic(p)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
+    got = fit.params["step_us_per_seq"]
+    assert got.status == "fit" and abs(got.value - 400.0) <= 40.0, got
+    for name in ("hbm_gb_s", "kv_bytes_per_token", "prefill_tok_per_ms"):
+        assert abs(fit.params[name].value - p[name]) <= 0.10 * p[name], (name, fit.params[name])
+    assert any("step_us_per_seq" in n for n in fit.notes)
+    # the GPU model's records show none: the two-term fit stands, no option is added
+    assert "step_us_per_seq" not in C.fit(synthetic(TRUE)[0], None, "ep").params
+
+
+def test_per_sequence_step_term_slows_each_step_of_the_emulator():
+    """The option the fit writes: a step of n sequences takes n x step_us_per_seq longer."""
+    from kvbench.runs import virtual
+
+    reqs = [("chat", 64, [], 32)] * 8
+    base = {"replicas": 1, "kv_capacity_tokens": 100_000}
+    tpot = {}
+    for c in (0.0, 2000.0):
+        rows = virtual.run_rate("colocated", {**base, "step_us_per_seq": c}, reqs, 200.0, 0.04,
+                                seed=1)
+        tpot[c] = float(np.nanmedian([r["tpot_ms"] for r in rows]))
+    # 8 requests arriving in 40 ms decode together: about 8 x 2 ms more per step
+    assert 10.0 <= tpot[2000.0] - tpot[0.0] <= 17.0, tpot
+
+
+def test_quadratic_prefill_is_fitted_where_the_records_show_one():
+    """Attention over the context: on vLLM CPU the tiny model's cold 7K-token prompt spent as
+    long on it as on the rest. Fitted jointly with the rate (the linear rate alone absorbs
+    part of it, and the predicted suffix of a long cached prefix costs far too little)."""
+    p = dict(TRUE, prefill_ms_per_token2=4e-6)
+    recs, keys = synthetic(p)
+    fit = C.fit(recs, None, "ep", prefix_keys=keys)
+    got = fit.params["prefill_ms_per_token2"]
+    assert abs(got.value - 4e-6) <= 0.15 * 4e-6, got
+    assert abs(fit.params["prefill_tok_per_ms"].value - 31.0) <= 0.1 * 31.0
+    assert any("prefill_ms_per_token2" in n for n in fit.notes)
+    assert "prefill_ms_per_token2" not in C.fit(synthetic(TRUE)[0], None, "ep").params
+
+
+def test_quadratic_prefill_lengthens_the_emulators_prefill_by_k_u_squared():
+    from kvbench.runs import virtual
+
+    ttft = {}
+    for k in (0.0, 1e-5):
+        opts = {"replicas": 1, "kv_capacity_tokens": 100_000, "prefill_ms_per_token2": k}
+        rows = virtual.run_rate("colocated", opts, [("chat", 6000, [], 2)], 10.0, 0.1, seed=1)
+        ttft[k] = rows[0]["ttft_ms"]
+    assert abs(ttft[1e-5] - ttft[0.0] - 1e-5 * 6000 ** 2) <= 2.0, ttft  # 360 ms
 
 
 def test_limit_that_never_binds_is_a_bound():
@@ -236,6 +296,45 @@ def test_twin_file_is_a_builtin_endpoint(tmp_path):
                         "profiles": {"p": {"stages": [{"users": 1, "duration_s": 1}]}}})
     opts = cfg.endpoints[0].options
     assert abs(opts["prefill_tok_per_ms"] - TRUE["prefill_tok_per_ms"]) <= 3.1
+
+
+def test_prefixes_cached_in_large_blocks_still_separate_the_front_end():
+    """vLLM CPU caches whole 128-token blocks: a re-asked prefix comes back up to 127 tokens
+    short of its length. Read as a partly evicted prefix, every cached-stage request was left
+    out and the front end could not be separated; the engine's block size (its cache config)
+    is the tolerance."""
+    s = Synth(TRUE)
+    for P in np.linspace(1024, 12288, 16):
+        s.alone(int(P))
+    for P in np.linspace(1024, 12288, 10):
+        shared = int(P) - 32
+        s.alone(int(P), cached=shared // 128 * 128, shared=shared)
+    for users in (1, 4, 16, 24):
+        s.batch(users, 64, 96)
+    for users in (4, 12):
+        s.batch(users, 2048, 96, cached=1792)
+    lab = [("block_size", "128"), ("num_gpu_blocks", "16384")]
+    engine = pa.Table.from_pylist([dict(t_ns=0, endpoint="ep", metric="vllm:cache_config_info",
+                                        labels=lab, value=1.0)], schema=ENGINE)
+    fit = C.fit(s.table(), engine, "ep")
+    f = fit.params["frontend_us_per_prompt_token"]
+    assert not any("not separable" in n for n in fit.notes), fit.notes
+    assert abs(f.value - TRUE["frontend_us_per_prompt_token"]) <= 0.15 * 3.0, f
+    assert fit.params["kv_capacity_tokens"].value == 16384 * 128
+
+
+def test_a_twin_of_an_openai_endpoint_is_one_engine():
+    """The fit sees a real endpoint whole: its twin is one replica, not the colocated
+    topology's default (two, which doubled the predicted capacity of vLLM CPU)."""
+    from kvbench.commands.calibrate import base_options
+    from kvbench.endpoints.config import gpu_count, validate_options
+
+    base = base_options({"name": "vllm", "kind": "openai", "url": "http://x"})
+    assert base == {"replicas": 1}
+    assert gpu_count(validate_options("colocated", base))[0] == 1
+    assert gpu_count(validate_options("colocated", {}))[0] == 2  # what it was without
+    src = {"kind": "builtin", "options": {"replicas": 3, "hardware": "h100", "seed": 4}}
+    assert base_options(src) == {"replicas": 3, "hardware": "h100"}
 
 
 SHORT = """

@@ -136,6 +136,17 @@ def prefix_keys(config: dict, requests) -> dict:
     return out
 
 
+def base_options(cfg_ep: dict) -> dict:
+    """The twin's options that are no fit: a built-in source endpoint's model, dtypes,
+    hardware, block size and replicas; any other endpoint is fitted whole, as one engine
+    (replicas 1: left out, the colocated topology's default of 2 doubled every capacity)."""
+    if cfg_ep.get("kind") != "builtin":
+        return {"replicas": 1}
+    src = dict(cfg_ep.get("options") or {})
+    return {k: src[k] for k in ("model", "weight_dtype", "kv_dtype", "hardware",
+                                "block_tokens", "replicas") if k in src}
+
+
 def run(args) -> int:
     from kvbench.endpoints.config import EmulatorConfig
     from kvbench.core.runjson import read_meta
@@ -157,9 +168,7 @@ def run(args) -> int:
     engine = read_table(run_dir, "engine")
     cfg_ep = next((e for e in (meta.config or {}).get("endpoints", []) or []
                    if e.get("name") == endpoint), {}) or {}
-    src_opts = dict(cfg_ep.get("options") or {}) if cfg_ep.get("kind") == "builtin" else {}
-    base = {k: src_opts[k] for k in ("model", "weight_dtype", "kv_dtype", "hardware",
-                                     "block_tokens", "replicas") if k in src_opts}
+    base = base_options(cfg_ep)
     fit = C.fit(requests, engine, endpoint, model=base.get("model", "llama-3-70b"),
                 weight_dtype=base.get("weight_dtype", "fp8"),
                 prefix_keys=prefix_keys(meta.config, requests), use_metrics=not args.probe_kv)

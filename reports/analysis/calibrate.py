@@ -12,11 +12,14 @@ bytes per token / HBM bandwidth), a request's first token comes after the front 
 
 * decode floor ``a`` and KV slope ``b``: TPOT of requests with long outputs against the KV
   tokens in flight beside them (time-weighted), least squares; requests that shared steps with
-  a long uncached prompt (over ``PREFILL_INTRUSION_TOKENS``) are left out;
+  a long uncached prompt (over ``PREFILL_INTRUSION_TOKENS``) are left out; with a third term,
+  ``c`` per sequence in the step (``step_us_per_seq``), where the run shows one (a CPU
+  engine: decodes of short and long contexts separate it from the KV slope);
 * front end ``f`` and prefill rate: TTFT of requests that ran alone (no other request in
   flight), cold and cached, least squares on the step model (iterated: which chunks are
   compute- or memory-bound); without cached prompts only ``f + 1/rate`` is identified (both
-  linear in prompt length) and the whole slope is charged to the rate;
+  linear in prompt length) and the whole slope is charged to the rate; with cached prompts, a
+  term quadratic in the context (``prefill_ms_per_token2``) where the run shows one;
 * step token budget: the longest inter-token gaps of decoding requests that shared steps with a
   prompt longer than the budget: a full chunk step takes ``budget / rate``;
 * max sequences: the most requests decoding at once when more were in flight (queueing onset);
@@ -39,6 +42,8 @@ from kvbench.reports.analysis import engine_counters
 PREFILL_INTRUSION_TOKENS = 256  # an uncached prompt this short stays under the decode floor
 LONG_PROMPT_TOKENS = 2048  # a prompt this long in a decode's steps marks a budget probe
 MIN_DECODE_TOKENS = 16  # outputs this long give a TPOT sample
+PER_SEQ_SHARE = 0.05  # a per-sequence step term worth less of the mean TPOT is left out
+QUADRATIC_SHARE = 0.05  # a prefill quadratic worth less of the longest prompt's TTFT: left out
 
 # which stage of [profiles.calibrate] supplies each parameter (for the "missing" sentences)
 STAGE = {
@@ -155,12 +160,16 @@ def fit(requests: pa.Table, engine: pa.Table | None, endpoint: str, *,
         return out
     weight_bytes = pf.MODELS[model].weight_bytes(weight_dtype)
     alone = _alone(df)
-    a, b = _decode(df, out, weight_bytes)
-    _prefill(df, alone, out, a, b)
+    a, b, c = _decode(df, out, weight_bytes)
+    # a prefix counts as found whole when it is within one engine block of its length (vLLM
+    # CPU caches in 128-token blocks: a 4,001-token prefix is 3,968 cached tokens)
+    geo = _kv_metrics(engine, endpoint)
+    tol = max(16, geo[0]) if geo else 16
+    _prefill(df, alone, out, a, b, c, tol)
     rate = out.params["prefill_tok_per_ms"].value if "prefill_tok_per_ms" in out.params else None
     _budget(df, out, rate, a)
     _seqs(df, out)
-    _kv(df, engine, endpoint, out, alone, prefix_keys, use_metrics)
+    _kv(df, engine, endpoint, out, alone, prefix_keys, use_metrics, tol)
     _interference(df, engine, endpoint, out)
     return out
 
@@ -173,18 +182,23 @@ def _alone(df: pd.DataFrame) -> np.ndarray:
 
 
 def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
-    """TPOT = a + b * (KV tokens in the batch, time-weighted over the request's decode)."""
+    """TPOT = a + b * (KV tokens in the batch) [+ c * (sequences in the batch)], both
+    time-weighted over the request's decode. The per-sequence term ``c`` is kept only where
+    it is significant and worth at least ``PER_SEQ_SHARE`` of the mean TPOT: a CPU engine
+    of a tiny model spends more per sequence (sampling, detokenising, streaming) than on its
+    KV; on the GPU model it is absent and the two-term fit stands."""
     first, end = df["first"].to_numpy(), df["end"].to_numpy()
     O, P, U = df["O"].to_numpy(), df["P"].to_numpy(), df["U"].to_numpy()
     dec = O >= MIN_DECODE_TOKENS
     if dec.sum() < 4:
         out.missing.append("decode step time: the run has no requests with long outputs; "
                            f"it needs {STAGE['decode']}")
-        return None, None
+        return None, None, 0.0
     ov = _overlap(first, end, first, end)  # decode intervals against decode intervals
     span = np.maximum(end - first, 1e-9)
     weight = ov / span[:, None]
     x = weight @ (P + O / 2)  # time-weighted KV tokens decoding beside (and in) each request
+    xn = weight.sum(axis=1)  # time-weighted sequences decoding beside (and with) it
     # prefills inside the request's decode: another request's first token in its interval
     starts = df["start"].to_numpy()
     inside = (df["first"].to_numpy()[None, :] > first[:, None]) & \
@@ -195,20 +209,23 @@ def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
     if use.sum() < 4:
         out.missing.append("decode step time: every long-output request shared its steps "
                            "with long prefills; it needs " + STAGE["decode"])
-        return None, None
+        return None, None, 0.0
     tpot = (df["e2e"].to_numpy() - df["ttft"].to_numpy()) / (O - 1).clip(min=1)
     X = np.column_stack([np.ones(use.sum()), x[use]])
     y = tpot[use]
     if np.ptp(x[use]) < 1e-6 * max(1.0, x[use].max()):
         out.missing.append("decode step time against context: every decode ran with the same "
                            "KV in flight; it needs " + STAGE["decode"])
-        return None, None
-    # robust: one refit without points beyond 4 MADs (host stalls)
-    coef, se, res = _ls(X, y)
-    mad = np.median(np.abs(res - np.median(res))) * 1.4826 + 1e-9
-    keep = np.abs(res) <= 4 * mad
-    if keep.sum() >= 4 and keep.sum() < len(y):
-        coef, se, res = _ls(X[keep], y[keep])
+        return None, None, 0.0
+    coef, se, res, keep = _robust(X, y)
+    c, c_se = 0.0, 0.0
+    X3 = np.column_stack([X, xn[use]])
+    if len(y) >= 8 and np.linalg.matrix_rank(X3) == 3:
+        coef3, se3, res3, keep3 = _robust(X3, y)
+        c3 = float(coef3[2])
+        if (c3 > 3 * se3[2] and c3 * float(np.mean(xn[use])) >= PER_SEQ_SHARE * float(np.mean(y))
+                and coef3[0] > 0 and coef3[1] > 0):
+            coef, se, res, keep, c, c_se = coef3, se3, res3, keep3, c3, float(se3[2])
     a, b = float(coef[0]), float(coef[1])
     n = int(keep.sum())
     rms = _rms(res)
@@ -216,7 +233,7 @@ def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
         out.missing.append(f"decode step time: the fit gave a floor of {a:.3g} ms and a KV "
                            f"slope of {b:.3g} ms/token, not a memory-bound decode; it needs "
                            + STAGE["decode"] + " at two context lengths")
-        return (a if a > 0 else None), None
+        return (a if a > 0 else None), None, 0.0
     bw = weight_bytes / (a / 1e3)  # bytes/s
     se_bw = bw * se[0] / a
     kvb = b / 1e3 * bw
@@ -230,7 +247,25 @@ def _decode(df: pd.DataFrame, out: Fit, weight_bytes: float):
     out.extra["decode_floor_ms"] = Param("decode_floor_ms", a, float(se[0]), "fit", "ms", n, rms)
     out.extra["decode_ms_per_kv_token"] = Param("decode_ms_per_kv_token", b, float(se[1]), "fit",
                                                 "ms", n, rms)
-    return a, b
+    if c > 0:
+        out.params["step_us_per_seq"] = Param(
+            "step_us_per_seq", c * 1e3, c_se * 1e3, "fit", "us", n, rms,
+            "per sequence in each step, beside the KV slope: host work per sequence")
+        out.notes.append(f"decode steps grow by {c * 1e3:.0f} us per sequence beyond their KV "
+                         "reads (a CPU engine's per-sequence work): fitted as step_us_per_seq")
+    return a, b, c
+
+
+def _robust(X: np.ndarray, y: np.ndarray):
+    """Least squares, then one refit without points beyond 4 MADs (host stalls)."""
+    coef, se, res = _ls(X, y)
+    mad = np.median(np.abs(res - np.median(res))) * 1.4826 + 1e-9
+    keep = np.abs(res) <= 4 * mad
+    if keep.sum() >= X.shape[1] + 2 and keep.sum() < len(y):
+        coef, se, res = _ls(X[keep], y[keep])
+    else:
+        keep = np.ones(len(y), bool)
+    return coef, se, res, keep
 
 
 def _chunks(u: float, done: float, budget: float):
@@ -241,19 +276,19 @@ def _chunks(u: float, done: float, budget: float):
         done += c
 
 
-def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
+def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b, c=0.0, tol=16) -> None:
     """TTFT = c0 + f P + sum over chunks of max(chunk / rate, a + b ctx) for lone requests."""
     # a shared prefix that was not (wholly) found is an eviction-probe sample, not a designed
     # cold prompt: measured, such rows (one prompt length, many of them) pulled the rate 10%
     # off, so the prefill fit takes cold prompts that share nothing and fully cached ones
     shared = df["shared_prefix_tokens"].fillna(0).to_numpy()
-    probe = (shared > 0) & (df["C"].to_numpy() < shared - 16)
+    probe = (shared > 0) & (df["C"].to_numpy() < shared - tol)
     sub = df[alone & ~probe]
     if len(sub) < 4:
         out.missing.append("prefill rate: fewer than 4 requests ran alone; it needs "
                            + STAGE["prefill"])
         return
-    a = a if a is not None else 0.0
+    a = (a if a is not None else 0.0) + c  # a lone request's step: one sequence
     b = b if b is not None else 0.0
     budget = float(cm.STEP_TOKEN_BUDGET)
     P, C, U, y = (sub[k].to_numpy() for k in ("P", "C", "U", "ttft"))
@@ -265,6 +300,11 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
                            "lengths sent alone; it needs " + STAGE["prefill"])
         return
     separable = cached.sum() >= 3 and np.ptp(P[cached]) > 0.2 * P[cached].max()
+    # attention over the context: a prompt's uncached tokens each attend to every token
+    # before them, (P^2 - done^2) token pairs; the GPU model has none, a CPU engine of a tiny
+    # model spends as much there as on the rest at a few thousand tokens
+    Q = P ** 2 - done ** 2
+    quad = False
     inv = 1 / 40.0
     for _ in range(8):  # which chunks are compute-bound depends on the rate
         comp = np.zeros(len(P))
@@ -279,6 +319,14 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
         cols = [np.ones(len(P)), comp] + ([P] if separable else [])
         X = np.column_stack(cols)
         coef, se, res = _ls(X, y - mem)
+        if separable and len(P) >= 8:  # else its cross term (2 x cached x uncached) would
+            # stand in for the front end on the cached prompts
+            cq, sq, rq = _ls(np.column_stack(cols + [Q]), y - mem)
+            k = float(cq[-1])
+            quad = (k > 3 * sq[-1] and cq[1] > 0
+                    and k * Q.max() >= QUADRATIC_SHARE * float(y[np.argmax(Q)]))
+            if quad:
+                coef, se, res = cq, sq, rq
         if coef[1] <= 0:
             break
         if abs(coef[1] - inv) < 1e-6 * inv:
@@ -309,6 +357,16 @@ def _prefill(df: pd.DataFrame, alone: np.ndarray, out: Fit, a, b) -> None:
                          "cached-prefix stage): prefill_tok_per_ms holds their combination")
     out.extra["ttft_intercept_ms"] = Param("ttft_intercept_ms", float(coef[0]), float(se[0]),
                                            "fit", "ms", n, rms, "HTTP and client overhead")
+    if quad:
+        k = float(coef[-1])
+        out.params["prefill_ms_per_token2"] = Param(
+            "prefill_ms_per_token2", k, float(se[-1]), "fit", "ms/token^2", n, rms,
+            "attention: (context after - context before)^2 per prefill chunk")
+        out.notes.append(f"prefill time grows with the square of the context ({k:.3g} ms per "
+                         f"token^2: {k * 4096 ** 2:.0f} ms for a cold 4,096-token prompt beside "
+                         f"{4096 * inv:.0f} ms at the linear rate): fitted as "
+                         "prefill_ms_per_token2")
+        return
     # the quadratic term (attention over the prompt), on cold prompts only
     Uc, yc = U[cold], y[cold] - mem[cold]
     if cold.sum() >= 5:
@@ -401,7 +459,7 @@ def _seqs(df: pd.DataFrame, out: Fit) -> None:
 
 
 def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit, alone,
-        keys: dict | None, use_metrics: bool) -> None:
+        keys: dict | None, use_metrics: bool, tol: int = 16) -> None:
     geo = _kv_metrics(engine, endpoint) if use_metrics else None
     if geo is not None:
         block, cap = geo
@@ -410,7 +468,7 @@ def _kv(df: pd.DataFrame, engine: pa.Table | None, endpoint: str, out: Fit, alon
                                                  f"cache config: {cap // block} blocks of "
                                                  f"{block} tokens")
         return
-    lower, exact, upper = _reuse(df, alone, keys)
+    lower, exact, upper = _reuse(df, alone, keys, tol)
     why = "not read from the engine's metrics" if not use_metrics else \
         "the engine's /metrics gave no cache config"
     if exact:
@@ -447,7 +505,7 @@ def block_tokens_se(n: int) -> float:
     return 16.0 / np.sqrt(max(n, 1))  # a block's rounding
 
 
-def _reuse(df: pd.DataFrame, alone, keys: dict | None):
+def _reuse(df: pd.DataFrame, alone, keys: dict | None, tol: int = 16):
     """Per re-asked prefix: its LRU stack distance D (tokens of other requests since its last
     use, each prefix counted once) and what it kept; returns lists of capacity estimates:
     lower bounds (D + cached, fully hit), exact (D + cached, partly evicted: the engine drops
@@ -495,9 +553,9 @@ def _reuse(df: pd.DataFrame, alone, keys: dict | None):
                     d += max(0.0, P[m] - shared[m]) + O[m]  # its own tail only
             c = Cc[i]
             est = d + c
-            if c >= shared[i] - 16:
+            if c >= shared[i] - tol:
                 lower.append(est)
-            elif c <= common + 16:
+            elif c <= common + tol:
                 upper.append(d + common)
             else:
                 exact.append(est)

@@ -46,8 +46,9 @@ LATENCY = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
 NAMES = {"ttft_p50": "TTFT p50", "tpot_p50": "TPOT p50"}
 PARAMETERS = {
     "kv_capacity": ("KV capacity", ("kv_capacity_tokens",)),
-    "prefill": ("prefill rate", ("prefill_tok_per_ms", "frontend_us_per_prompt_token")),
-    "decode": ("decode", ("hbm_gb_s", "kv_bytes_per_token")),
+    "prefill": ("prefill rate", ("prefill_tok_per_ms", "frontend_us_per_prompt_token",
+                                 "prefill_ms_per_token2")),
+    "decode": ("decode", ("hbm_gb_s", "kv_bytes_per_token", "step_us_per_seq")),
     "scheduler": ("scheduler limits", ("max_num_seqs", "step_token_budget")),
 }
 
