@@ -8,6 +8,10 @@ Synthesis (not timed) streams batches into one requests.parquet
 
 Usage: python bench/report_scale.py [--rows 1000000] [--format html|md] [--keep DIR]
        [--compare]
+
+With ``--compare --format md`` the Summary tables of both reports (the figures the out-of-core
+path computes over every request) are compared row by row and the differences printed: counts,
+rates and exact percentiles must agree to the last printed digit.
 """
 
 from __future__ import annotations
@@ -42,6 +46,30 @@ def measure(cmd: list[str]) -> tuple[float, float, int]:
     return secs, usage.ru_maxrss * 1024 / 1e9, proc.returncode
 
 
+def _summary(md: str) -> list[str]:
+    """The rows of the Markdown report's first Summary table (header ``| metric |``): the
+    figures the out-of-core path computes over every request."""
+    rows, inside = [], False
+    for line in md.splitlines():
+        if line.startswith("| metric |") and not rows:
+            inside = True
+        if inside:
+            if not line.startswith("|"):
+                break
+            rows.append(line.rstrip())
+    return rows
+
+
+def same_tables(ooc: str, mem: str) -> tuple[list[str], int]:
+    """(the Summary rows that differ between the two Markdown reports, as "row vs row" lines;
+    the rows compared)."""
+    a, b = _summary(ooc), _summary(mem)
+    diff = [f"{x!r} vs {y!r}" for x, y in zip(a, b) if x != y]
+    if len(a) != len(b) or not a:
+        diff.append(f"{len(a)} Summary rows out of core, {len(b)} in memory")
+    return diff, max(len(a), len(b))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -72,6 +100,11 @@ def main() -> int:
                   f"exit {mrc}")
             print(f"ratios in-memory/out-of-core: time {msecs / secs:.2f}x, "
                   f"peak RSS {mpeak / peak:.2f}x")
+            if args.format == "md" and out.exists() and mem_out.exists():
+                same, rows = same_tables(out.read_text(), mem_out.read_text())
+                print(f"the Summary's figures over every request ({rows} rows): "
+                      + ("identical to the in-memory path, to the last digit" if not same
+                         else "DIFFER from the in-memory path:\n  " + "\n  ".join(same)))
     return 0
 
 
