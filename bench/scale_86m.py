@@ -337,6 +337,8 @@ def pq_rows(path: Path) -> int:
 
 def _measure_all(args, run: Path, root: Path) -> None:
     kv = [sys.executable, "-m", "kvbench"]
+    if args.skip_report and args.skip_gate:
+        return
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     if not args.skip_report:
         measure("report", [*kv, "report", str(run), "--history", "0", "-o",
