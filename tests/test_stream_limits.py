@@ -189,7 +189,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_plain_locust_against_an_endless_stream_ends_on_time_in_bounded_memory(tmp_path):
     """The issue's run: plain ``locust -f loadgen/chat.py -t 10s`` against a server streaming
     without end. Measured on main: 117 s and 5.4 GB; here the run must end well within 60 s
-    and the load process's peak RSS stay under 300 MB. A watchdog kills the run past 1 GB or
+    and the load process's peak RSS stay under 450 MB. A watchdog kills the run past 1 GB or
     100 s so that a failing run cannot take the host's memory (the test then fails)."""
     p_srv, url = flood_server(90.0)
     killed = []
@@ -232,7 +232,10 @@ def test_plain_locust_against_an_endless_stream_ends_on_time_in_bounded_memory(t
     print(f"plain locust -t 10s against an endless stream: {wall:.1f} s wall, "
           f"peak RSS {peak_mb:.0f} MB")
     assert wall < 60, (wall, text[-3000:])
-    assert peak_mb < 300, (peak_mb, text[-3000:])
+    # The stream itself holds the process at ~90 MB; the peak is the end-of-run Parquet step in
+    # the same process: 271 MB on stop 39's install, 332-369 MB on a fresh one of 2026-12-07
+    # (the landed commit d030b68 measured alike). Unbounded reading reached 5.4 GB.
+    assert peak_mb < 450, (peak_mb, text[-3000:])
     t = read_run_table(tmp_path / "flood", "requests")
     status = t.column("status").to_pylist()
     assert status.count("protocol_error") >= 1, (status, text[-3000:])
