@@ -52,8 +52,9 @@ An agentic-coding trace workload (``kind = "trace"``, ``format = "agentic"``) is
 sessions, not at a rate: ``--users`` concurrent users (2,4,8,16) each replay one conversation
 at a time (a seeded order, recycled), sub-agents concurrently with their parent waiting,
 ``--replay think`` (after the previous answer plus the recorded think time) or ``timestamps``
-(the recorded offsets, never before the previous answer), times multiplied by ``--time-scale``
-(0.1), as a profile's ``time_scale`` does. Per count: the attainment (TTFT judged on streaming requests only: a non-streaming
+(the recorded offsets, never before the previous answer), times multiplied by
+``--time-scale`` (0.1), as a profile's ``time_scale`` does. Per count: the attainment (TTFT
+judged on streaming requests only: a non-streaming
 one has none), p99 TTFT and TPOT and the engines' prefix hit ratio; then the most sessions at
 ``--target``. Over 400 lines: the session replay shares the workload build and the judgement.
 

@@ -14,8 +14,9 @@ Requests in transit: between the routing decision and the engine's queue lies th
 100k-token prompt. The cache-aware estimate counts the requests it routed that have not reached
 their engine yet (their uncached prefill, their number), as a real router counts its own
 in-flight requests. Without it a burst of sessions starting together saw every replica idle
-and all went to the first one, and pinned there (24 agent sessions on 4 replicas: a 0.56 hit
-ratio against 0.93 for round robin with pinning, bench/bakeoff_sim.py)."""
+and all went to the first one, and pinned there (24 agent sessions on 12 replicas: a 0.56 hit
+ratio against 0.93 for round robin with pinning, bench/bakeoff_sim.py). Round robin
+consults no estimate, so nothing is counted for it."""
 
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ class Router:
 
     def _routed(self, eng: Engine, seq: Seq) -> None:
         """``seq`` is on its way to ``eng`` (until ``arrived``)."""
+        if self.strategy == "ROUND_ROBIN":
+            return
         todo = seq.n_prompt - self.cached_tokens(eng, seq)
         self._transit_of[id(seq)] = (eng, todo)
         t = self._transit.setdefault(eng.name, [0, 0])

@@ -25,11 +25,11 @@ from kvbench.reports.rendering.prediction_section import build_prediction
 from kvbench.reports.rendering.cells import SLO_METRICS, fmt, metric_row, table_rows
 from kvbench.reports.measures.data import ReportData
 from kvbench.reports.analysis.diagnose import diagnose, order
+from kvbench.reports.analysis.numbering import label_of, labels, number
+from kvbench.reports.measures.frame import itl_values, wall_s
 
 # findings whose ``numbers["summary"]`` explains a workload's ranking: shown under its verdict
 RANKING_REASONS = ("session_cache",)
-from kvbench.reports.analysis.numbering import label_of, labels, number
-from kvbench.reports.measures.frame import itl_values, wall_s
 
 SUMMARY_METRICS = ("offered_rps", "throughput_rps", "started_rps", "goodput_rps",
                    "slo_attainment", "output_tps", "input_tps",

@@ -3,8 +3,8 @@ been, fires only when its evidence is in the data, and says the numbers, the cau
 
 One module per concern, each a few rules: ``cache`` (prefix hits lost, HBM full), ``topology``
 (transfer tax, cross-region, residency), ``load`` (overloaded, load generator saturated),
-``errors``, ``hogwild``, ``sessions`` (agent sessions' KV working set), ``search`` (a search that passed nothing; which of its probes are
-evidence at all); ``base`` holds the ``Finding`` they return. ``RULES`` names them all,
+``errors``, ``hogwild``, ``sessions`` (agent sessions' KV working set), ``search`` (a search
+that passed nothing; which of its probes are evidence at all); ``base`` holds the ``Finding`` they return. ``RULES`` names them all,
 ``diagnose`` runs them and ``order`` puts what a user should act on first.
 
 Symptom -> cause -> fix rows are from seed 000's table ("Prefix hit rate drops to 8% | Round-robin
@@ -47,8 +47,8 @@ RULES: dict[str, Callable[[ReportData], list[Finding]]] = {
 # to change in the deployment (residency, routing, cache, capacity), then comparisons of
 # topologies, and last the prefix-cache bookkeeping check (``cache_verify``).
 ACTION_ORDER = ("start_failed", "errors", "residency", "loadgen_saturated", "prefix_hits_lost",
-                "overloaded", "hbm_full", "session_cache", "cross_region", "transfer_tax", "hogwild",
-                "twin_gap", "cache_verify")
+                "overloaded", "hbm_full", "session_cache", "cross_region", "transfer_tax",
+                "hogwild", "twin_gap", "cache_verify")
 
 
 def order(found: list[Finding]) -> list[Finding]:
