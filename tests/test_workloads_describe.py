@@ -117,6 +117,23 @@ def test_cli_describe_mix_default_config(capsys, monkeypatch):
         assert name in text
 
 
+def test_describing_the_whole_config_passes_over_a_trace_not_on_this_machine(tmp_path, capsys):
+    # a checkout without ../shared/traces: the other workloads are still described, the
+    # missing trace is said; named on its own, it is an error naming the path
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text('[[endpoints]]\nname = "e"\nkind = "builtin"\ntopology = "colocated"\n\n'
+                   '[profiles.p]\nstages = [{ users = 1, duration_s = 1 }]\n\n'
+                   '[workloads.chat]\nkind = "chat"\nrequests = 20\n\n'
+                   '[workloads.agentic]\nkind = "trace"\nformat = "agentic"\n'
+                   'path = "no-such-folder"\n')
+    assert main(["workloads", "describe", "--config", str(cfg), "--json"]) == 0
+    got = capsys.readouterr()
+    assert set(json.loads(got.out)) == {"chat"}
+    assert "workload agentic skipped" in got.err and "no-such-folder" in got.err
+    assert main(["workloads", "describe", "agentic", "--config", str(cfg)]) == 2
+    assert "no-such-folder does not exist" in capsys.readouterr().err
+
+
 def test_cli_trace_and_errors(tmp_path, capsys):
     p = tmp_path / "m.jsonl"
     p.write_text("\n".join(json.dumps({"timestamp": 0, "input_length": 1024,
